@@ -1,0 +1,27 @@
+"""megatron-overlap: hide the communication of Megatron-LM's tensor/sequence parallelism
+behind its GEMMs.
+
+    parser = megatron_overlap.add_overlap_args(parser)   # or extra_args_provider=...
+    megatron_overlap.install(args)                       # after parsing
+"""
+
+from .args import FLAGS, add_overlap_args, overlap_parser
+from .config import OverlapConfig
+from .errors import MegatronVersionError, OverlapConfigError
+from .patch import active_config, install, is_installed, uninstall
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FLAGS",
+    "MegatronVersionError",
+    "OverlapConfig",
+    "OverlapConfigError",
+    "__version__",
+    "active_config",
+    "add_overlap_args",
+    "install",
+    "is_installed",
+    "overlap_parser",
+    "uninstall",
+]

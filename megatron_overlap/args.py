@@ -1,0 +1,72 @@
+"""Command-line flags. ``add_overlap_args`` is usable as Megatron's ``extra_args_provider``."""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import RS_ALGOS, TP_MODES
+
+# Every flag the plugin adds, pinned by tests/test_flags.py so none appears by accident and
+# none collides with Megatron-LM's own.
+FLAGS = (
+    "--overlap-tp",
+    "--overlap-tp-chunks",
+    "--overlap-tp-rs",
+    "--overlap-tp-bidirectional",
+)
+
+
+def _chunk_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be 0 (choose automatically) or a positive multiple of the TP size, got {value}"
+        )
+    return value
+
+
+def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the plugin's flags to ``parser`` and return it (Megatron's extra_args_provider API)."""
+    group = parser.add_argument_group(
+        "megatron-overlap", "Hide tensor-parallel communication behind the GEMMs."
+    )
+    group.add_argument(
+        "--overlap-tp",
+        choices=TP_MODES,
+        default="off",
+        help="Overlap the sequence-parallel all-gather/reduce-scatter of Megatron's "
+        "ColumnParallelLinear/RowParallelLinear with their GEMMs. off: stock Megatron; "
+        "p2p: chunked point-to-point rings (any backend); auto: the best available. "
+        "Needs --sequence-parallel and --transformer-impl local.",
+    )
+    # None defaults: lets the config tell "given with overlap off" (a conflict) from "not given".
+    group.add_argument(
+        "--overlap-tp-chunks",
+        type=_chunk_count,
+        default=None,
+        metavar="N",
+        help="Chunks per overlapped collective, over the whole TP group (a multiple of the TP "
+        "size); 0 (default) chooses.",
+    )
+    group.add_argument(
+        "--overlap-tp-rs",
+        choices=RS_ALGOS,
+        default=None,
+        help="Reduce-scatter after a GEMM as a ring of partial sums (ring, default) or as "
+        "all-to-all plus a local reduce (a2a).",
+    )
+    group.add_argument(
+        "--overlap-tp-bidirectional",
+        action="store_true",
+        default=None,
+        help="Split each chunk in two halves travelling both ways round the ring.",
+    )
+    return parser
+
+
+def overlap_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """A parser holding only the plugin's flags, for scripts that build models themselves."""
+    return add_overlap_args(argparse.ArgumentParser(prog=prog, allow_abbrev=False))

@@ -1,0 +1,1 @@
+"""Benchmarks (timed runs under the emulated link); kept apart from the correctness tests."""

@@ -1,0 +1,286 @@
+"""Chunked rings: all-gather that feeds a GEMM piece by piece, and reduce-scatter of partial
+sums produced piece by piece.
+
+Notation (R ranks in the TP group, this rank r, s rows per rank along dim 0):
+
+- a rank's shard is cut into *pieces* (row ranges ``[start, stop)`` of the shard); with the
+  bidirectional option each chunk is halved and the halves travel opposite ways;
+- a piece travelling in direction ``d`` (+1 or -1) goes from rank r to rank r+d each hop.
+
+All-gather: at step i a rank holds, for a piece of direction d, the rows that rank ``r - d*i``
+owns, and forwards them to ``r + d`` the moment they land (for i < R-1). A consumer takes the
+pieces in (step, piece) order and computes on each while later ones are in flight.
+
+Reduce-scatter of partials ``P_q`` (rank q's contribution to every rank's rows): at step i rank r
+computes its partial for the rows of rank ``r - d*(i+1)``, adds the running sum received from
+``r - d``, and sends the sum on to ``r + d``; at step R-1 the destination is r itself. The
+all-to-all variant sends each partial straight to its owner, which adds them up locally.
+
+Tags keep concurrent streams apart on gloo; NCCL matches by order, which every rank follows
+identically because all loops here run in the same (step, piece) order on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .p2p import exchange
+
+# Partial-sum producer: (destination group rank, piece, optional output view) -> tensor of
+# shape [piece.stop - piece.start, *rest]; when ``out`` is given the result is written there.
+PartialFn = Callable[[int, "Piece", Optional[torch.Tensor]], torch.Tensor]
+
+_TAG_STRIDE = 1 << 16
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, stop)`` of a rank's shard, travelling towards rank ``r + direction``."""
+
+    start: int
+    stop: int
+    direction: int = 1
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+def split_pieces(rows: int, chunks: int, bidirectional: bool = False) -> tuple[Piece, ...]:
+    """Cut ``rows`` into ``chunks`` near-equal chunks (sizes differ by at most one, like
+    ``torch.tensor_split``), halve each when ``bidirectional``, and drop empty pieces."""
+    if rows < 0 or chunks < 1:
+        raise ValueError(f"split_pieces needs rows >= 0 and chunks >= 1, got {rows}, {chunks}")
+    base, extra = divmod(rows, chunks)
+    pieces = []
+    start = 0
+    for c in range(chunks):
+        stop = start + base + (1 if c < extra else 0)
+        if bidirectional:
+            mid = start + (stop - start + 1) // 2
+            pieces += [Piece(start, mid, 1), Piece(mid, stop, -1)]
+        else:
+            pieces.append(Piece(start, stop, 1))
+        start = stop
+    return tuple(p for p in pieces if p.rows > 0)
+
+
+class _RingBase:
+    def __init__(self, group: dist.ProcessGroup, pieces: Sequence[Piece], shard_rows: int, tag: int):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.pieces = tuple(pieces)
+        self.shard_rows = shard_rows
+        self.tag = tag * _TAG_STRIDE
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def _peer(self, offset: int) -> int:
+        return (self.rank + offset) % self.size
+
+    def _tag(self, step: int, k: int) -> int:
+        return self.tag + step * len(self.pieces) + k
+
+    def rows_of(self, owner: int, piece: Piece) -> slice:
+        """Rows of ``piece`` of rank ``owner`` inside the gathered [R*s, ...] tensor."""
+        base = owner * self.shard_rows
+        return slice(base + piece.start, base + piece.stop)
+
+    def _wait_sends(self):
+        for work, _keepalive in self._sends:
+            work.wait()
+        self._sends.clear()
+
+
+class RingAllGather(_RingBase):
+    """Gather ``x_shard [s, *rest]`` of every rank into ``gathered [R*s, *rest]`` piece by piece.
+
+    ``take(step, k)`` returns ``(owner, rows, tensor)`` for piece k at ring step ``step`` —
+    waiting for it if needed and forwarding it before returning, so the caller's GEMM on it
+    overlaps the next hop. Call ``take`` for every (step, k) in order, then ``finish``.
+    ``copy_own`` also copies this rank's shard into ``gathered`` (for callers that keep it).
+    """
+
+    def __init__(
+        self,
+        x_shard: torch.Tensor,
+        gathered: torch.Tensor,
+        group: dist.ProcessGroup,
+        pieces: Sequence[Piece],
+        tag: int = 1,
+        copy_own: bool = False,
+    ):
+        super().__init__(group, pieces, x_shard.shape[0], tag)
+        self.x_shard = x_shard
+        self.gathered = gathered
+        self._recvs: dict[tuple[int, int], dist.Work] = {}
+        if copy_own:
+            own = slice(self.rank * self.shard_rows, (self.rank + 1) * self.shard_rows)
+            gathered[own].copy_(x_shard)
+        for k, piece in enumerate(self.pieces):
+            self._forward(0, k, x_shard[piece.start : piece.stop])
+
+    def owner(self, step: int, piece: Piece) -> int:
+        return self._peer(-piece.direction * step)
+
+    def _forward(self, step: int, k: int, tensor: torch.Tensor):
+        if step >= self.size - 1:
+            return
+        piece = self.pieces[k]
+        nxt = self.gathered[self.rows_of(self.owner(step + 1, piece), piece)]
+        send, recv = exchange(
+            self.group,
+            send=tensor,
+            dst=self._peer(piece.direction),
+            recv=nxt,
+            src=self._peer(-piece.direction),
+            tag=self._tag(step, k),
+        )
+        self._sends.append((send, tensor))
+        self._recvs[(step + 1, k)] = recv
+
+    def take(self, step: int, k: int) -> tuple[int, slice, torch.Tensor]:
+        piece = self.pieces[k]
+        owner = self.owner(step, piece)
+        rows = self.rows_of(owner, piece)
+        if step == 0:
+            return owner, rows, self.x_shard[piece.start : piece.stop]
+        self._recvs.pop((step, k)).wait()
+        tensor = self.gathered[rows]
+        self._forward(step, k, tensor)
+        return owner, rows, tensor
+
+    def finish(self):
+        if self._recvs:
+            raise RuntimeError(f"RingAllGather finished with pieces never taken: {sorted(self._recvs)}")
+        self._wait_sends()
+
+
+class RingReduceScatter(_RingBase):
+    """``out_shard [s, *rest]`` = sum over ranks of their partials for this rank's rows.
+
+    ``run(step, k)`` computes this rank's partial for the destination of piece k at ``step``,
+    adds the running sum that arrived from the previous rank, and passes it on. The last step
+    (own rows) is computed into ``out_shard`` but its receive is added in ``finish``, so the
+    caller can overlap other work (e.g. the wgrad GEMM) with the last hop.
+    """
+
+    def __init__(
+        self,
+        out_shard: torch.Tensor,
+        group: dist.ProcessGroup,
+        pieces: Sequence[Piece],
+        partial: PartialFn,
+        tag: int = 2,
+    ):
+        super().__init__(group, pieces, out_shard.shape[0], tag)
+        self.out = out_shard
+        self.partial = partial
+        self._recvs: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}
+        self._final: list[int] = []
+
+    def dest(self, step: int, piece: Piece) -> int:
+        return self._peer(-piece.direction * (step + 1))
+
+    def run(self, step: int, k: int):
+        piece = self.pieces[k]
+        last = step == self.size - 1
+        out_view = self.out[piece.start : piece.stop] if last else None
+        acc = self.partial(self.dest(step, piece), piece, out_view)
+        if last:
+            if self.size > 1:
+                self._final.append(k)
+            return
+        if step > 0:
+            work, buf = self._recvs.pop((step, k))
+            work.wait()
+            acc = buf.add_(acc)
+        nxt = torch.empty_like(acc)
+        send, recv = exchange(
+            self.group,
+            send=acc,
+            dst=self._peer(piece.direction),
+            recv=nxt,
+            src=self._peer(-piece.direction),
+            tag=self._tag(step, k),
+        )
+        self._sends.append((send, acc))
+        self._recvs[(step + 1, k)] = (recv, nxt)
+
+    def finish(self) -> torch.Tensor:
+        last = self.size - 1
+        for k in self._final:
+            piece = self.pieces[k]
+            work, buf = self._recvs.pop((last, k))
+            work.wait()
+            self.out[piece.start : piece.stop].add_(buf)
+        self._final.clear()
+        if self._recvs:
+            raise RuntimeError(f"RingReduceScatter finished with steps never run: {sorted(self._recvs)}")
+        self._wait_sends()
+        return self.out
+
+
+class A2AReduceScatter(_RingBase):
+    """Reduce-scatter as all-to-all plus a local reduce.
+
+    At step i < R-1 the partial for rank ``r + d*(i+1)`` goes straight to it, while the partial
+    of rank ``r - d*(i+1)`` for our rows arrives; at step R-1 the own partial is computed into
+    ``out_shard`` and ``finish`` adds the R-1 received partials in step order.
+    """
+
+    def __init__(
+        self,
+        out_shard: torch.Tensor,
+        group: dist.ProcessGroup,
+        pieces: Sequence[Piece],
+        partial: PartialFn,
+        tag: int = 3,
+    ):
+        super().__init__(group, pieces, out_shard.shape[0], tag)
+        self.out = out_shard
+        self.partial = partial
+        self._recvs: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {}
+        self._final: list[int] = []
+
+    def run(self, step: int, k: int):
+        piece = self.pieces[k]
+        if step == self.size - 1:
+            self.partial(self.rank, piece, self.out[piece.start : piece.stop])
+            self._final.append(k)
+            return
+        offset = piece.direction * (step + 1)
+        acc = self.partial(self._peer(offset), piece, None)
+        buf = torch.empty_like(acc)
+        send, recv = exchange(
+            self.group, send=acc, dst=self._peer(offset), recv=buf, src=self._peer(-offset),
+            tag=self._tag(step, k),
+        )
+        self._sends.append((send, acc))
+        self._recvs.setdefault(k, []).append((recv, buf))
+
+    def finish(self) -> torch.Tensor:
+        for k in self._final:
+            piece = self.pieces[k]
+            view = self.out[piece.start : piece.stop]
+            for work, buf in self._recvs.pop(k, []):
+                work.wait()
+                view.add_(buf)
+        self._final.clear()
+        if self._recvs:
+            raise RuntimeError(f"A2AReduceScatter finished with pieces never reduced: {sorted(self._recvs)}")
+        self._wait_sends()
+        return self.out
+
+
+def make_reduce_scatter(algo: str, out_shard, group, pieces, partial, tag: int = 2):
+    """The reduce-scatter engine for ``--overlap-tp-rs`` (``ring`` or ``a2a``)."""
+    if algo == "ring":
+        return RingReduceScatter(out_shard, group, pieces, partial, tag)
+    if algo == "a2a":
+        return A2AReduceScatter(out_shard, group, pieces, partial, tag)
+    raise ValueError(f"unknown reduce-scatter algorithm {algo!r}")

@@ -1,0 +1,221 @@
+"""The plugin's one configuration object, built from parsed command-line flags.
+
+Pure Python: nothing here imports Megatron or touches process groups. Checks that need the
+model (TP size, sequence parallelism, sequence length) live in :func:`check_model`, which runs
+at install time when Megatron's arguments are at hand and again when a patched layer first
+runs, so both entry points fail with the same message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .errors import OverlapConfigError
+
+TP_MODES = ("off", "p2p", "auto")
+RS_ALGOS = ("ring", "a2a")
+
+# Flags that only mean something when --overlap-tp is on. Their argparse default is None so
+# that an explicit value given with overlap off can be told apart from "not given".
+_TP_DEPENDENT = {
+    "overlap_tp_chunks": "--overlap-tp-chunks",
+    "overlap_tp_rs": "--overlap-tp-rs",
+    "overlap_tp_bidirectional": "--overlap-tp-bidirectional",
+}
+
+
+@dataclass(frozen=True)
+class OverlapConfig:
+    """What the user asked the plugin to do. Frozen and validated on construction."""
+
+    tp: str = "off"
+    """TP+SP overlap backend: ``off`` (stock Megatron), ``p2p`` (chunked P2P rings, any
+    backend), ``auto`` (the best one available; today that is ``p2p``)."""
+
+    tp_chunks: int = 0
+    """Chunks each overlapped all-gather / reduce-scatter is cut into along the sequence,
+    counted over the whole TP group (a multiple of the TP size). 0 lets the plugin choose."""
+
+    tp_rs: str = "ring"
+    """Reduce-scatter algorithm after a GEMM: ``ring`` (partial sums travel the ring and
+    accumulate) or ``a2a`` (each partial goes straight to its owner, which reduces locally)."""
+
+    tp_bidirectional: bool = False
+    """Split every chunk in two halves that travel the ring in opposite directions."""
+
+    explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
+    """Names of the fields the user set explicitly (used only for conflict messages)."""
+
+    def __post_init__(self):
+        if self.tp not in TP_MODES:
+            raise OverlapConfigError(
+                "--overlap-tp", f"unknown mode {self.tp!r}; choose one of {', '.join(TP_MODES)}"
+            )
+        if self.tp_rs not in RS_ALGOS:
+            raise OverlapConfigError(
+                "--overlap-tp-rs", f"unknown algorithm {self.tp_rs!r}; choose ring or a2a"
+            )
+        if isinstance(self.tp_chunks, bool) or not isinstance(self.tp_chunks, int):
+            raise OverlapConfigError(
+                "--overlap-tp-chunks", f"expected a whole number, got {self.tp_chunks!r}"
+            )
+        if self.tp_chunks < 0:
+            raise OverlapConfigError(
+                "--overlap-tp-chunks",
+                f"must be 0 (choose automatically) or a positive multiple of the TP size, "
+                f"got {self.tp_chunks}",
+            )
+        if self.tp == "off":
+            given = sorted(_TP_DEPENDENT[name] for name in self.explicit if name in _TP_DEPENDENT)
+            if given:
+                raise OverlapConfigError(
+                    given[0],
+                    f"{', '.join(given)} only apply to TP overlap, which is off; "
+                    f"add --overlap-tp p2p (or auto), or drop {'them' if len(given) > 1 else 'it'}",
+                )
+
+    @property
+    def enabled(self) -> bool:
+        return self.tp != "off"
+
+    @property
+    def backend(self) -> str:
+        """The backend ``auto`` resolves to. Only ``p2p`` exists so far."""
+        return "p2p" if self.tp == "auto" else self.tp
+
+    def as_flags(self) -> list[str]:
+        """The command-line flags that reproduce this config."""
+        flags = ["--overlap-tp", self.tp]
+        if self.enabled:
+            flags += ["--overlap-tp-chunks", str(self.tp_chunks), "--overlap-tp-rs", self.tp_rs]
+            if self.tp_bidirectional:
+                flags.append("--overlap-tp-bidirectional")
+        return flags
+
+    @classmethod
+    def from_args(cls, args: Any) -> "OverlapConfig":
+        """Build from an argparse namespace (Megatron's full args, or only our flags)."""
+        if isinstance(args, OverlapConfig):
+            return args
+        if not hasattr(args, "overlap_tp"):
+            raise TypeError(
+                "megatron_overlap: the arguments carry no --overlap-tp; build the parser with "
+                "megatron_overlap.add_overlap_args (or pass it as Megatron's extra_args_provider)"
+            )
+        explicit = {name for name in _TP_DEPENDENT if getattr(args, name, None) is not None}
+        values = dict(
+            tp=args.overlap_tp,
+            tp_chunks=_default(getattr(args, "overlap_tp_chunks", None), 0),
+            tp_rs=_default(getattr(args, "overlap_tp_rs", None), "ring"),
+            tp_bidirectional=bool(getattr(args, "overlap_tp_bidirectional", None) or False),
+        )
+        return cls(**values, explicit=frozenset(explicit))
+
+    def replace(self, **changes) -> "OverlapConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _default(value, default):
+    return default if value is None else value
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """The parts of the model's parallel setup that decide whether overlap can run.
+
+    ``None`` means unknown: programmatic installs learn these when a layer first runs.
+    """
+
+    tp_size: Optional[int] = None
+    sequence_parallel: Optional[bool] = None
+    transformer_impl: Optional[str] = None
+    tp_comm_overlap: bool = False
+    seq_length: Optional[int] = None
+    micro_batch_size: Optional[int] = None
+
+    @classmethod
+    def from_megatron_args(cls, args: argparse.Namespace) -> "ModelContext":
+        return cls(
+            tp_size=getattr(args, "tensor_model_parallel_size", None),
+            sequence_parallel=getattr(args, "sequence_parallel", None),
+            transformer_impl=getattr(args, "transformer_impl", None),
+            tp_comm_overlap=bool(getattr(args, "tp_comm_overlap", False)),
+            seq_length=getattr(args, "seq_length", None),
+            micro_batch_size=getattr(args, "micro_batch_size", None),
+        )
+
+
+def tp_overlap_applies(config: OverlapConfig, ctx: ModelContext) -> bool:
+    """True when the patched path will run; False when stock Megatron runs (TP=1 or off)."""
+    return config.enabled and (ctx.tp_size is None or ctx.tp_size > 1)
+
+
+def check_model(config: OverlapConfig, ctx: ModelContext) -> None:
+    """Refuse model settings the overlapped linears cannot honour. Unknown fields pass."""
+    if not config.enabled:
+        return
+    if ctx.tp_size is not None and ctx.tp_size < 1:
+        raise OverlapConfigError(
+            "--tensor-model-parallel-size", f"must be positive, got {ctx.tp_size}"
+        )
+    if ctx.transformer_impl == "transformer_engine":
+        raise OverlapConfigError(
+            "--transformer-impl",
+            "Transformer Engine's linears are not patched by megatron-overlap yet, so "
+            f"--overlap-tp {config.tp} would do nothing there. Pass --transformer-impl local "
+            "(Megatron's own ColumnParallelLinear/RowParallelLinear), or drop --overlap-tp and "
+            "use TE's --tp-comm-overlap instead",
+        )
+    if ctx.tp_comm_overlap:
+        raise OverlapConfigError(
+            "--overlap-tp",
+            "conflicts with Megatron's --tp-comm-overlap (Transformer Engine userbuffers); "
+            "choose one of the two",
+        )
+    if ctx.tp_size is None or ctx.tp_size == 1:
+        return
+    if ctx.sequence_parallel is False:
+        raise OverlapConfigError(
+            "--overlap-tp",
+            f"overlaps the all-gather / reduce-scatter of sequence parallelism, but "
+            f"--sequence-parallel is off with TP={ctx.tp_size}; add --sequence-parallel",
+        )
+    if config.tp_chunks and config.tp_chunks % ctx.tp_size:
+        raise OverlapConfigError(
+            "--overlap-tp-chunks",
+            f"{config.tp_chunks} is not a multiple of the tensor-parallel size {ctx.tp_size}; "
+            f"use {ctx.tp_size}, {2 * ctx.tp_size}, {4 * ctx.tp_size}, ... or 0 to let the "
+            "plugin choose",
+        )
+    if ctx.seq_length is not None:
+        if ctx.seq_length % ctx.tp_size:
+            raise OverlapConfigError(
+                "--seq-length",
+                f"{ctx.seq_length} is not divisible by the tensor-parallel size "
+                f"{ctx.tp_size}, which sequence parallelism needs",
+            )
+        rows = ctx.seq_length // ctx.tp_size
+        if config.tp_chunks and config.tp_chunks // ctx.tp_size > rows:
+            raise OverlapConfigError(
+                "--overlap-tp-chunks",
+                f"cuts each rank's {rows} sequence rows (seq-length {ctx.seq_length} / TP "
+                f"{ctx.tp_size}) into {config.tp_chunks // ctx.tp_size} chunks; use "
+                f"--overlap-tp-chunks <= {rows * ctx.tp_size} (or 0 to let the plugin choose)",
+            )
+
+
+def chunks_per_rank(config: OverlapConfig, tp_size: int, rows_per_rank: int, batch: int = 1) -> int:
+    """Sub-chunks of each rank's shard (before the bidirectional halving).
+
+    With ``--overlap-tp-chunks 0`` the plugin picks one chunk per 128 tokens of the rank's
+    shard (``rows_per_rank * batch``), between 1 and 8: finer chunks shorten the pipeline's
+    fill and drain, coarser ones pay less per-message latency and run larger GEMMs. Measured
+    on the MLP benchmark (BENCHMARKS.md); the cost-model issue replaces this rule with a search.
+    """
+    if config.tp_chunks:
+        return config.tp_chunks // tp_size
+    return max(1, min(8, rows_per_rank * batch // 128))
+

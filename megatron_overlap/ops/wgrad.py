@@ -1,0 +1,82 @@
+"""Weight gradients with Megatron's ``weight.main_grad`` semantics.
+
+Mirrors the tail of megatron-core's ``LinearWithGradAccumulationAndAsyncCommunication.backward``
+(0.16-0.19) so the overlapped linears hand Megatron's DDP exactly what the stock ones do:
+
+- ``gradient_accumulation_fusion``: ``main_grad += grad_output^T @ input`` in place (apex's
+  ``fused_weight_gradient_mlp_cuda`` where it exists; Megatron-FSDP params write
+  ``get_main_grad()``), then a dummy grad is returned and ``grad_added_to_main_grad`` is set
+  when the param carries that attribute (DDP's hook then skips the add);
+- otherwise the gradient is returned and DDP's hook adds it into ``main_grad``.
+
+Only tensor attributes are read here; nothing imports Megatron.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def as_2d(grad_output: torch.Tensor, total_input: torch.Tensor):
+    """Contiguous 2-D views ``[tokens, features]`` for the wgrad GEMM (Megatron does the same)."""
+    grad_output = grad_output.contiguous()
+    total_input = total_input.contiguous()
+    if grad_output.dim() == 3:
+        grad_output = grad_output.view(-1, grad_output.shape[2])
+        total_input = total_input.view(-1, total_input.shape[2])
+    return grad_output, total_input
+
+
+def _fused_accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor):
+    try:
+        import fused_weight_gradient_mlp_cuda  # apex's CUDA extension, as Megatron uses it
+    except ImportError:
+        fused_weight_gradient_mlp_cuda = None
+    if fused_weight_gradient_mlp_cuda is not None:
+        if main_grad.dtype == torch.float32:
+            fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+            return
+        if main_grad.dtype in (torch.float16, torch.bfloat16):
+            fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
+            return
+        raise RuntimeError("Unsupported gradient type for gradient accumulation fusion")
+    # Megatron refuses to build a layer with the fusion on and no extension, so this branch
+    # only serves callers of the op outside Megatron.
+    main_grad.add_(torch.matmul(grad_output.t(), total_input).to(main_grad.dtype))
+
+
+def weight_gradient(
+    weight: torch.Tensor,
+    grad_output: Optional[torch.Tensor],
+    total_input: Optional[torch.Tensor],
+    gradient_accumulation_fusion: bool,
+    like: torch.Tensor,
+) -> Optional[torch.Tensor]:
+    """The value the linear's backward returns for ``weight``.
+
+    ``grad_output``/``total_input`` are the 2-D views from :func:`as_2d`, or both None when the
+    wgrad GEMM is deferred (Megatron's ``defer_embedding_wgrad_compute``, which requires the
+    fusion). ``like`` gives dtype and device of the dummy grad.
+    """
+    compute = grad_output is not None
+    if not gradient_accumulation_fusion:
+        if not compute:
+            raise RuntimeError(
+                "deferred embedding wgrad needs gradient_accumulation_fusion (as in Megatron)"
+            )
+        return grad_output.t().matmul(total_input)
+    if compute:
+        if hasattr(weight, "__fsdp_param__"):
+            weight.main_grad = weight.get_main_grad()
+            torch.matmul(grad_output.t(), total_input, out=weight.main_grad)
+        else:
+            _fused_accumulate(total_input, grad_output, weight.main_grad)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    # A dummy grad keeps DDP's backward hooks on the main thread (Megatron's reasoning).
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    dummy = make(weight.main_grad.shape, dtype=like.dtype, device=like.device)
+    weight.grad_added_to_main_grad = True
+    return dummy

@@ -1,0 +1,241 @@
+"""All monkey-patches of Megatron live here, behind ``install()`` / ``uninstall()``.
+
+| upstream name (megatron.core.tensor_parallel)                | replaced by       | can go when |
+|--------------------------------------------------------------|-------------------|-------------|
+| ``layers.linear_with_grad_accumulation_and_async_allreduce`` | ``_column_linear`` | Megatron's ColumnParallelLinear takes a pluggable AG-GEMM |
+| (and its re-export ``tensor_parallel.<same name>``)          |                    | |
+| ``layers.RowParallelLinear.forward``                         | ``_row_forward``  | Megatron's RowParallelLinear takes a pluggable GEMM-RS |
+
+``ColumnParallelLinear._forward_impl`` looks the module-level function up at call time, so
+replacing it there reaches every Column layer. RowParallelLinear runs its GEMM and its
+reduce-scatter in two calls, so fusing them needs its ``forward``. The classes themselves are
+never replaced (layer specs import them by name). Everything that is not an SP layer with
+TP > 1 and a trainable weight (frozen weights, MoE experts with explicit communication,
+0.19's GTP-sharded weights) goes to the original code untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import compat
+from .comm.rings import split_pieces
+from .config import ModelContext, OverlapConfig, check_model, chunks_per_rank, tp_overlap_applies
+from .errors import OverlapConfigError
+from .ops.linear import ColumnParallelSP, PrefetchRegistry, RowParallelSP, TPPlan
+
+logger = logging.getLogger("megatron_overlap")
+
+_LINEAR_FN = "linear_with_grad_accumulation_and_async_allreduce"
+
+
+def _notice(message: str):
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning("megatron-overlap: %s", message)
+
+
+@dataclass
+class Installation:
+    """What is patched, with which config, and the per-run state the patched code needs."""
+
+    config: OverlapConfig
+    context: ModelContext
+    originals: list = field(default_factory=list)  # (owner, name, original object)
+    plans: dict = field(default_factory=dict)
+    prefetch: PrefetchRegistry = field(default_factory=PrefetchRegistry)
+    noticed: set = field(default_factory=set)
+
+    def notice_once(self, key: str, message: str):
+        if key not in self.noticed:
+            self.noticed.add(key)
+            _notice(message)
+
+    def set_attr(self, owner: Any, name: str, value: Any):
+        self.originals.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def plan_for(self, group: dist.ProcessGroup, shard_rows: int, batch: int) -> TPPlan:
+        """The plan of a layer whose TP group is ``group`` and whose shard is
+        ``[shard_rows, batch, ...]``; checks the model settings the first time a shape is seen."""
+        size = group.size()
+        key = (id(group), size, shard_rows, batch)
+        plan = self.plans.get(key)
+        if plan is None:
+            check_model(
+                self.config,
+                ModelContext(tp_size=size, sequence_parallel=True, seq_length=shard_rows * size),
+            )
+            chunks = chunks_per_rank(self.config, size, shard_rows, batch)
+            plan = TPPlan(
+                pieces=split_pieces(shard_rows, chunks, self.config.tp_bidirectional),
+                rs_algo=self.config.tp_rs,
+                prefetch=self.prefetch,
+            )
+            self.plans[key] = plan
+        return plan
+
+
+# The one piece of module state: what install() patched, so uninstall() can restore it.
+_installation: Optional[Installation] = None
+
+
+def is_installed() -> bool:
+    return _installation is not None
+
+
+def active_config() -> Optional[OverlapConfig]:
+    return _installation.config if _installation is not None else None
+
+
+def install(args_or_config: Union[OverlapConfig, Any]) -> OverlapConfig:
+    """Apply the patches the flags ask for; return the config in force.
+
+    ``args_or_config``: Megatron's parsed args, a namespace holding only the plugin's flags
+    (from a parser filled by :func:`add_overlap_args`), or an :class:`OverlapConfig`. Settings
+    the args do not carry (TP size, sequence parallelism) are checked when a patched layer
+    first runs. Installing again replaces the config; installing with overlap off uninstalls.
+    """
+    global _installation
+    config = OverlapConfig.from_args(args_or_config)
+    is_full_megatron_args = hasattr(args_or_config, "tensor_model_parallel_size")
+    context = (
+        ModelContext.from_megatron_args(args_or_config) if is_full_megatron_args else ModelContext()
+    )
+    compat.check_megatron_version()
+    check_model(config, context)
+
+    if _installation is not None:
+        if _installation.config == config and _installation.context == context:
+            return config
+        uninstall()
+    if not tp_overlap_applies(config, context):
+        if config.enabled:
+            _notice(
+                f"--overlap-tp {config.tp} has nothing to overlap with tensor-parallel size 1; "
+                "running stock Megatron"
+            )
+        return config
+
+    if compat.transformer_engine_version() is not None:
+        _notice(
+            "Transformer Engine is installed: megatron-overlap patches Megatron's local "
+            "ColumnParallelLinear/RowParallelLinear only (--transformer-impl local); TE's linears "
+            "are left as they are"
+        )
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import layers
+
+    inst = Installation(config=config, context=context)
+    column = _column_linear(inst, layers.__dict__[_LINEAR_FN])
+    inst.set_attr(layers, _LINEAR_FN, column)
+    if getattr(tensor_parallel, _LINEAR_FN, None) is inst.originals[0][2]:
+        inst.set_attr(tensor_parallel, _LINEAR_FN, column)
+    inst.set_attr(layers.RowParallelLinear, "forward", _row_forward(inst, layers.RowParallelLinear.__dict__["forward"]))
+    _installation = inst
+    _notice(f"TP overlap on: {' '.join(config.as_flags())}")
+    return config
+
+
+def uninstall() -> None:
+    """Restore every patched Megatron attribute to the exact object it was. Idempotent."""
+    global _installation
+    inst, _installation = _installation, None
+    if inst is None:
+        return
+    for owner, name, original in reversed(inst.originals):
+        setattr(owner, name, original)
+    inst.originals.clear()
+
+
+def _column_linear(inst: Installation, original):
+    signature = compat.linear_signature(original)
+
+    @functools.wraps(original)  # also copies the `.warned` attribute Megatron reads back
+    def linear(*args, **kwargs):
+        call = compat.LinearCall(signature, args, kwargs)
+        if call.allreduce_dgrad:
+            # Only a Column layer with TP > 1 and sequence parallelism off asks for this.
+            size = compat.default_tp_group(call.tp_group).size()
+            check_model(inst.config, ModelContext(tp_size=size, sequence_parallel=False))
+        if not call.sequence_parallel:
+            return original(*args, **kwargs)
+        group = compat.default_tp_group(call.tp_group)
+        if group is None or group.size() == 1:
+            inst.notice_once("tp1", "tensor-parallel size 1: nothing to overlap, stock path")
+            return original(*args, **kwargs)
+        if call.gtp_remat_size > 1:
+            inst.notice_once("gtp", "GTP-sharded weights (gtp_remat_size > 1) run Megatron's stock path")
+            return original(*args, **kwargs)
+        x = call.input
+        plan = inst.plan_for(group, x.shape[0], _batch(x))
+        return ColumnParallelSP.apply(
+            x,
+            call.weight,
+            call.bias,
+            call.gradient_accumulation_fusion,
+            call.grad_output_buffer,
+            call.wgrad_deferral_limit,
+            group,
+            plan,
+        )
+
+    return linear
+
+
+def _row_forward(inst: Installation, original):
+    @functools.wraps(original)
+    def forward(self, input_):
+        group = self.tp_group
+        if (
+            group is None
+            or group.size() == 1
+            or self.explicit_expert_comm
+            or not self.weight.requires_grad
+        ):
+            return original(self, input_)
+        if not self.sequence_parallel:
+            check_model(inst.config, ModelContext(tp_size=group.size(), sequence_parallel=False))
+        if getattr(self, "gtp_remat_size", 1) > 1:
+            inst.notice_once("gtp", "GTP-sharded weights (gtp_remat_size > 1) run Megatron's stock path")
+            return original(self, input_)
+        _check_cpu_offloading(self, input_)
+        plan = inst.plan_for(group, input_.shape[0] // group.size(), _batch(input_))
+        output_ = RowParallelSP.apply(
+            input_, self.weight, self.gradient_accumulation_fusion, group, plan
+        )
+        if not self.skip_bias_add:
+            output = (output_ + self.bias) if self.bias is not None else output_
+            output_bias = None
+        else:
+            output = output_
+            output_bias = self.bias
+        return output, output_bias
+
+    return forward
+
+
+def _batch(x: torch.Tensor) -> int:
+    """Tokens per sequence row: the product of the dims between sequence and features."""
+    batch = 1
+    for dim in x.shape[1:-1]:
+        batch *= dim
+    return batch
+
+
+def _check_cpu_offloading(layer, input_):
+    """Megatron's own check in RowParallelLinear.forward, kept on the patched path."""
+    context = getattr(layer.config, "_cpu_offloading_context", None)
+    if context is None or context.inside_context is not True:
+        return
+    from megatron.core.tensor_parallel import layers
+
+    if not layers.HAVE_TE:
+        assert layer.config.cpu_offloading is False, "CPU Offloading cannot be enabled while TE is not present"
+    else:
+        input_.activation_offloading = layer.config.cpu_offloading_activations

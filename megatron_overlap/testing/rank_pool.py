@@ -1,0 +1,189 @@
+"""A pool of gloo rank processes kept alive across tests.
+
+Spawning ranks and importing Megatron costs ~20 s for 4 ranks on a 2-core machine, so tests
+send work to live ranks instead::
+
+    pool = RankPool(4)
+    results = pool.run(some_module.some_function, arg1, arg2)   # one result per rank
+
+The function runs on every rank as ``fn(*args)`` inside an initialised default process group
+(gloo); it must be importable by name (module-level). A rank that raises makes ``run`` raise
+:class:`RankError` with every failing rank's traceback; a rank that does not answer within
+``timeout`` makes it raise ``TimeoutError``. After either, the pool restarts its processes on
+the next ``run``, so one failing test cannot poison the next.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch.multiprocessing as mp
+from multiprocessing.connection import wait
+
+
+class RankError(RuntimeError):
+    def __init__(self, failures: dict[int, str]):
+        self.failures = failures
+        text = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
+        super().__init__(f"{len(failures)} rank(s) failed:\n{text}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float, threads: int):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS=str(threads),
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+    )
+    import warnings
+
+    # Megatron announces at import that apex/TE are absent; on CPU that is the expected state.
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        from . import cpu_shims
+
+        cpu_shims.apply()
+        conn.send(("ready", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            break
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class RankPool:
+    """``world_size`` live gloo ranks; see the module docstring."""
+
+    def __init__(
+        self,
+        world_size: int,
+        timeout: float = 300.0,
+        pg_timeout_s: float = 120.0,
+        threads_per_rank: int = 1,
+    ):
+        self.world_size = world_size
+        self.timeout = timeout
+        self.pg_timeout_s = pg_timeout_s
+        self.threads_per_rank = threads_per_rank
+        self._procs: list = []
+        self._conns: list = []
+        self._healthy = False
+        self._start()
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._procs, self._conns = [], []
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker,
+                args=(rank, self.world_size, port, child, self.pg_timeout_s, self.threads_per_rank),
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._collect(timeout=self.timeout, what="start")
+        self._healthy = True
+
+    def _collect(self, timeout: float, what: str) -> list:
+        """Gather one answer per rank. Once a rank has failed, the others get a short grace
+        period (they may be stuck in a collective with it) before the failure is raised."""
+        results: list = [None] * self.world_size
+        failures: dict[int, str] = {}
+        pending = dict(enumerate(self._conns))
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for conn in wait(list(pending.values()), timeout=left):
+                rank = next(r for r, c in pending.items() if c is conn)
+                del pending[rank]
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    status, value = "error", "the rank process died"
+                if status == "error":
+                    failures[rank] = value
+                    deadline = min(deadline, time.monotonic() + 10.0)
+                else:
+                    results[rank] = value
+        if pending or failures:
+            self._healthy = False
+            for rank in pending:
+                failures[rank] = f"no answer to {what} within the time allowed"
+            if len(failures) == len(pending):
+                raise TimeoutError(f"ranks {sorted(pending)} gave no answer to {what} within {timeout:.0f} s")
+            raise RankError(failures)
+        return results
+
+    def run(self, fn: Callable, *args, timeout: Optional[float] = None, **kwargs) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results."""
+        if not self._healthy:
+            self.close()
+            self._start()
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        return self._collect(timeout or self.timeout, getattr(fn, "__name__", repr(fn)))
+
+    def close(self):
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs, self._conns = [], []
+        self._healthy = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

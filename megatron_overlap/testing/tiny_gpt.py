@@ -1,0 +1,176 @@
+"""A tiny Llama-style GPT on Megatron's local layer spec, trained on CPU with Megatron's DDP.
+
+Used by the parity tests, the demo and the benchmarks: the same builder and the same training
+step serve stock Megatron and the plugin, so the only difference between two runs is whether
+``megatron_overlap.install`` was called.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TinyGPT:
+    """Model and batch shape. Defaults are odd on purpose (hidden 96, ffn 200, GQA 8/2)."""
+
+    num_layers: int = 2
+    hidden: int = 96
+    ffn: int = 200
+    heads: int = 8
+    kv_heads: int = 2
+    vocab: int = 512
+    seq: int = 64
+    micro_batch: int = 2
+    swiglu: bool = True
+    bias: bool = False
+    normalization: str = "RMSNorm"
+
+
+def init_parallel(tp: int, seed: int = 1234) -> None:
+    """(Re)initialise Megatron's parallel state with TP=tp, DP=world/tp, and seed its RNGs."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model_parallel_cuda_manual_seed(seed)
+
+
+class _SPNorm:
+    """Megatron's torch norm built with sequence parallelism off (it refuses SP, because apex's
+    norm is the SP one) and its params marked ``sequence_parallel`` so their grads are
+    all-reduced over TP like apex's would be."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = WrappedTorchNorm(plain, hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def transformer_config(spec: TinyGPT, tp: int, sequence_parallel: bool = True, **overrides):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    values = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden,
+        ffn_hidden_size=spec.ffn,
+        num_attention_heads=spec.heads,
+        num_query_groups=spec.kv_heads,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        add_bias_linear=spec.bias,
+        gated_linear_unit=spec.swiglu,
+        activation_func=F.silu if spec.swiglu else F.gelu,
+        normalization=spec.normalization,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+    values.update(overrides)
+    return TransformerConfig(**values)
+
+
+def build(spec: TinyGPT, tp: int, sequence_parallel: bool = True, **config_overrides):
+    """A GPTModel on the local spec (Megatron's own Column/RowParallelLinear)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    config = transformer_config(spec, tp, sequence_parallel, **config_overrides)
+    layer = get_gpt_layer_local_spec(normalization=spec.normalization)
+    layer.submodules.input_layernorm = _SPNorm
+    layer.submodules.pre_mlp_layernorm = _SPNorm
+    block = TransformerBlockSubmodules(layer_specs=[layer] * spec.num_layers, layer_norm=_SPNorm)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block,
+        vocab_size=spec.vocab,
+        max_sequence_length=spec.seq,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
+
+
+def wrap_ddp(model, overlap_grad_reduce: bool, bucket_size: Optional[int] = 4096):
+    """Megatron's DistributedDataParallel around ``model`` (fp32 grads in ``main_grad``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=False,
+        bucket_size=bucket_size,
+    )
+    return DistributedDataParallel(model.config, ddp_config, model)
+
+
+def batch(spec: TinyGPT, step: int, seed: int = 7):
+    """A deterministic synthetic batch for this data-parallel rank: tokens follow a noisy
+    affine rule so the loss has something to learn."""
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    gen = torch.Generator().manual_seed(seed * 100003 + step * 101 + dp_rank)
+    start = torch.randint(0, spec.vocab, (spec.micro_batch, 1), generator=gen)
+    stride = torch.randint(1, 7, (spec.micro_batch, 1), generator=gen)
+    pos = torch.arange(spec.seq + 1)
+    seq = (start + stride * pos) % spec.vocab
+    noise = torch.rand(seq.shape, generator=gen) < 0.1
+    seq = torch.where(noise, torch.randint(0, spec.vocab, seq.shape, generator=gen), seq)
+    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    position_ids = pos[:-1].unsqueeze(0).expand(spec.micro_batch, -1).contiguous()
+    mask = torch.triu(torch.ones(1, 1, spec.seq, spec.seq, dtype=torch.bool), diagonal=1)
+    return tokens, labels, position_ids, mask
+
+
+def train_step(ddp_model, spec: TinyGPT, step: int, lr: float = 1e-2) -> float:
+    """One step: forward, per-token loss averaged over the global batch, backward, DDP grad
+    sync, plain SGD on ``main_grad``. Returns the global mean loss."""
+    from megatron.core import parallel_state
+
+    tokens, labels, position_ids, mask = batch(spec, step)
+    ddp_model.zero_grad_buffer()
+    losses = ddp_model(tokens, position_ids, mask, labels=labels)  # [b, s] per-token losses
+    loss = losses.float().mean()
+    # DDP averages grads over DP; the loss is a mean per rank, so the result is the global mean.
+    loss.backward()
+    ddp_model.finish_grad_sync()
+    with torch.no_grad():
+        for param in ddp_model.module.parameters():
+            param.add_(param.main_grad, alpha=-lr)
+    reported = loss.detach().clone()
+    dist.all_reduce(reported, group=parallel_state.get_data_parallel_group())
+    return reported.item() / parallel_state.get_data_parallel_world_size()
+
+
+def train(spec: TinyGPT, tp: int, steps: int, overlap_grad_reduce: bool = False,
+          on_step: Optional[Callable[[int, float], None]] = None, **config_overrides) -> list[float]:
+    """Build, wrap in DDP and train ``steps`` steps; the losses, identical on every rank."""
+    init_parallel(tp)
+    model = build(spec, tp, **config_overrides)
+    ddp_model = wrap_ddp(model, overlap_grad_reduce)
+    losses = []
+    for step in range(steps):
+        losses.append(train_step(ddp_model, spec, step))
+        if on_step is not None:
+            on_step(step, losses[-1])
+    return losses

@@ -1,0 +1,329 @@
+"""Functions the tests run on every rank of the pool (they must be importable by name)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = b.double().norm().item()
+    diff = (a.double() - b.double()).norm().item()
+    return diff / denom if denom else diff
+
+
+def _tp_group(size: int):
+    """A TP-like subgroup of ``size`` consecutive ranks containing this rank (all ranks call
+    new_group for every group, as torch requires)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = None
+    for start in range(0, world, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            mine = group
+    return mine
+
+
+def _install(flags: list[str]):
+    import megatron_overlap
+
+    megatron_overlap.uninstall()
+    if flags:
+        megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(flags))
+
+
+# --------------------------------------------------------------------------- raw ops
+def ring_ops_vs_reference(seed: int) -> list[dict]:
+    """ag_gemm / gemm_rs against stock collectives + one GEMM, over every combination."""
+    from megatron_overlap.comm.rings import split_pieces
+    from megatron_overlap.ops import ag_gemm, ag_gemm_reference, gemm_rs, gemm_rs_reference
+
+    rank = dist.get_rank()
+    rows = []
+    for size in (2, 4):
+        group = _tp_group(size)
+        gen = torch.Generator().manual_seed(seed * 1000 + rank)
+        for chunks, bidir, algo in itertools.product((1, 2, 3, 5), (False, True), ("ring", "a2a")):
+            s, b, k, n = 13, 3, 96, 50  # odd on purpose: 13 rows never split evenly
+            pieces = split_pieces(s, chunks, bidir)
+            x = torch.randn(s, b, k, generator=gen)
+            w = torch.randn(n, k, generator=gen)
+            bias = torch.randn(n, generator=gen)
+            y, y_ref = ag_gemm(x, w, group, pieces, bias), ag_gemm_reference(x, w, group, bias)
+            xf = torch.randn(s * size, b, k, generator=gen)
+            z, z_ref = gemm_rs(xf, w, group, pieces, algo), gemm_rs_reference(xf, w, group)
+            rows.append(dict(size=size, chunks=chunks, bidir=bidir, algo=algo,
+                             ag_rel=_rel(y, y_ref), ag_equal=torch.equal(y, y_ref),
+                             rs_rel=_rel(z, z_ref), rs_equal=torch.equal(z, z_ref)))
+    return rows
+
+
+# --------------------------------------------------------------------------- Megatron layers
+def _layers(tp: int, fusion: bool, defer: bool = False):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_overlap.testing import tiny_gpt
+
+    spec = tiny_gpt.TinyGPT(hidden=96, ffn=200, heads=8, kv_heads=2)
+    overrides = dict(add_bias_linear=True, gradient_accumulation_fusion=fusion)
+    if defer:
+        overrides.update(defer_embedding_wgrad_compute=True, wgrad_deferral_limit=0)
+    config = tiny_gpt.transformer_config(spec, tp, **overrides)
+    init = torch.nn.init.normal_
+    head_dim = spec.hidden // spec.heads
+    qkv_out = spec.hidden + 2 * spec.kv_heads * head_dim  # GQA: 8 query heads, 2 KV groups
+    layers = {
+        "qkv(column,gqa)": ColumnParallelLinear(spec.hidden, qkv_out, config=config, init_method=init, bias=True),
+        "fc1(column)": ColumnParallelLinear(spec.hidden, spec.ffn, config=config, init_method=init, bias=True),
+        "fc2(row)": RowParallelLinear(spec.ffn, spec.hidden, config=config, init_method=init, bias=True,
+                                      input_is_parallel=True, skip_bias_add=False),
+    }
+    return config, layers
+
+
+def _run_layer(layer, x, dy, fusion: bool):
+    """fwd+bwd of one layer; returns output and grads (main_grad under fusion)."""
+    x = x.clone().requires_grad_()
+    for p in layer.parameters():
+        p.grad = None
+        if fusion:
+            p.main_grad = torch.zeros_like(p)
+            p.grad_added_to_main_grad = False
+    out, _ = layer(x)
+    out.backward(dy)
+    grads = {"output": out.detach().clone(), "input.grad": x.grad.clone()}
+    for name, p in layer.named_parameters():
+        if fusion and name == "weight":
+            grads["weight.main_grad"] = p.main_grad.clone()
+            grads["weight.grad_added_to_main_grad"] = torch.tensor(float(p.grad_added_to_main_grad))
+        else:
+            grads[f"{name}.grad"] = p.grad.clone()
+    return grads
+
+
+def layer_parity(tp: int, fusion: bool, seed: int) -> list[dict]:
+    """Stock Megatron Column/Row linears vs the patched ones, every flag combination."""
+    from megatron_overlap.testing import tiny_gpt
+
+    tiny_gpt.init_parallel(tp, seed=seed)
+    config, layers = _layers(tp, fusion)
+    gen = torch.Generator().manual_seed(seed * 7 + dist.get_rank())
+    s, b = 13, 3  # rows per rank: odd, so chunks of 2*TP are uneven
+    rows = []
+    for name, layer in layers.items():
+        column = "column" in name
+        in_rows = s if column else s * tp
+        in_dim = layer.input_size_per_partition if not column else layer.input_size
+        x = torch.randn(in_rows, b, in_dim, generator=gen)
+        out_rows = s * tp if column else s
+        out_dim = layer.output_size_per_partition if column else layer.output_size
+        dy = torch.randn(out_rows, b, out_dim, generator=gen)
+        _install([])
+        stock = _run_layer(layer, x, dy, fusion)
+        for rs, bidir, mult in itertools.product(("ring", "a2a"), (False, True), (1, 2)):
+            flags = ["--overlap-tp", "p2p", "--overlap-tp-rs", rs, "--overlap-tp-chunks", str(mult * tp)]
+            if bidir:
+                flags.append("--overlap-tp-bidirectional")
+            _install(flags)
+            ours = _run_layer(layer, x, dy, fusion)
+            for key in stock:
+                rows.append(dict(layer=name, rs=rs, bidir=bidir, chunks=mult * tp, tensor=key,
+                                 rel=_rel(ours[key], stock[key]), equal=torch.equal(ours[key], stock[key])))
+    _install([])
+    return rows
+
+
+def patched_path_taken(tp: int) -> dict:
+    """Counts calls into the overlapped autograd functions while a layer runs."""
+    from megatron_overlap.ops import linear as ops_linear
+
+    calls = {"column": 0, "row": 0}
+    originals = (ops_linear.ColumnParallelSP.forward, ops_linear.RowParallelSP.forward)
+
+    def count(kind, fn):
+        def wrapped(*args, **kwargs):
+            calls[kind] += 1
+            return fn(*args, **kwargs)
+
+        return staticmethod(wrapped)
+
+    from megatron_overlap.testing import tiny_gpt
+
+    tiny_gpt.init_parallel(tp)
+    _config, layers = _layers(tp, fusion=False)
+    ops_linear.ColumnParallelSP.forward = count("column", originals[0])
+    ops_linear.RowParallelSP.forward = count("row", originals[1])
+    try:
+        _install(["--overlap-tp", "p2p"])
+        s, b = 13, 3
+        layers["fc1(column)"](torch.randn(s, b, 96))
+        layers["fc2(row)"](torch.randn(s * tp, b, layers["fc2(row)"].input_size_per_partition))
+        _install([])
+        layers["fc1(column)"](torch.randn(s, b, 96))
+    finally:
+        ops_linear.ColumnParallelSP.forward = staticmethod(originals[0])
+        ops_linear.RowParallelSP.forward = staticmethod(originals[1])
+    return calls
+
+
+def deferred_wgrad_parity(tp: int) -> dict:
+    """Megatron's defer_embedding_wgrad_compute path (output layer): grad_output is buffered,
+    main_grad untouched, dgrad equal to stock."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from megatron_overlap.testing import tiny_gpt
+
+    tiny_gpt.init_parallel(tp)
+    spec = tiny_gpt.TinyGPT()
+    config = tiny_gpt.transformer_config(spec, tp, gradient_accumulation_fusion=True)
+    # Megatron only allows the deferral with pipeline parallelism (the last stage's output
+    # layer); the layer itself just reads these two fields.
+    config.defer_embedding_wgrad_compute = True
+    config.wgrad_deferral_limit = 0
+    results = {}
+    gen = torch.Generator().manual_seed(11 + dist.get_rank())
+    x = torch.randn(13, 2, spec.hidden, generator=gen)
+    dy = torch.randn(13 * tp, 2, spec.vocab // tp, generator=gen)
+    for mode, flags in (("stock", []), ("ours", ["--overlap-tp", "p2p"])):
+        _install(flags)
+        activations, grads = [], []
+        layer = ColumnParallelLinear(
+            spec.hidden, spec.vocab, config=config, init_method=torch.nn.init.normal_, bias=False,
+            embedding_activation_buffer=activations, grad_output_buffer=grads,
+        )
+        torch.manual_seed(5)
+        torch.nn.init.normal_(layer.weight)
+        layer.weight.main_grad = torch.zeros_like(layer.weight)
+        layer.weight.grad_added_to_main_grad = False
+        xi = x.clone().requires_grad_()
+        out, _ = layer(xi)
+        out.backward(dy)
+        results[mode] = dict(out=out.detach(), dgrad=xi.grad, buffered=len(grads),
+                             buffered_grad=grads[0].clone() if grads else None,
+                             main_grad_norm=layer.weight.main_grad.norm().item(),
+                             added=bool(layer.weight.grad_added_to_main_grad))
+    _install([])
+    s, o = results["stock"], results["ours"]
+    return dict(out_rel=_rel(o["out"], s["out"]), dgrad_rel=_rel(o["dgrad"], s["dgrad"]),
+                buffered=(s["buffered"], o["buffered"]),
+                buffered_rel=_rel(o["buffered_grad"], s["buffered_grad"]),
+                main_grad_norm=(s["main_grad_norm"], o["main_grad_norm"]),
+                added=(s["added"], o["added"]))
+
+
+# --------------------------------------------------------------------------- tiny GPT
+def gpt_losses(tp: int, steps: int, flags: list[str], overlap_grad_reduce: bool) -> list[float]:
+    from megatron_overlap.testing import tiny_gpt
+
+    _install(flags)
+    try:
+        return tiny_gpt.train(tiny_gpt.TinyGPT(), tp=tp, steps=steps, overlap_grad_reduce=overlap_grad_reduce)
+    finally:
+        _install([])
+
+
+# --------------------------------------------------------------------------- emulated link
+def link_timing() -> dict:
+    """Transfers on the emulated link take latency + bytes/bandwidth, queue on the egress
+    port, and Megatron's import-time bindings are rebound while it is installed."""
+    from megatron.core.tensor_parallel import layers, mappings
+
+    from megatron_overlap.comm.emulated_link import EmulatedLink, LinkSpec
+    from megatron_overlap.comm.p2p import exchange
+
+    group = _tp_group(2)
+    peer = 1 - dist.get_rank(group)
+    spec = LinkSpec(bandwidth_GBps=0.1, latency_us=2000.0)  # 1 MB -> 10 ms + 2 ms
+    x = torch.ones(1 << 18)  # 1 MiB
+    out = torch.empty(2 * x.numel())
+    before = (layers.dist_all_gather_func, mappings.dist_reduce_scatter_func)
+    result = {}
+    with EmulatedLink(spec) as link:
+        result["rebound"] = layers.dist_all_gather_func is not before[0] and mappings.dist_reduce_scatter_func is not before[1]
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        work = layers.dist_all_gather_func(out, x, group=group, async_op=True)
+        result["async_return_s"] = time.perf_counter() - t0
+        work.wait()
+        result["all_gather_s"] = time.perf_counter() - t0
+        result["all_gather_bytes"] = link.stats.bytes_by_op["all_gather_single"] + link.stats.bytes_by_op["all_gather_into_tensor"]
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        recv = [torch.empty_like(x), torch.empty_like(x)]
+        works = [exchange(group, send=x, dst=peer, recv=recv[i], src=peer, tag=i) for i in range(2)]
+        works[0][1].wait()
+        result["first_recv_s"] = time.perf_counter() - t0
+        works[1][1].wait()
+        result["second_recv_s"] = time.perf_counter() - t0
+        for send, _ in works:
+            send.wait()
+        result["recv_ok"] = all(torch.equal(r, x) for r in recv)
+        result["expected_one_s"] = spec.seconds(x.nbytes)
+        result["blocked_s"] = link.stats.blocked_s
+    result["restored"] = (layers.dist_all_gather_func, mappings.dist_reduce_scatter_func) == before
+    return result
+
+
+def mlp_bytes_stock_vs_ours(tp: int) -> dict:
+    """Bytes per fwd+bwd step counted by the emulated link: equal for stock and the plugin,
+    so no transfer of ours escapes the emulation."""
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    from megatron_overlap.comm.emulated_link import EmulatedLink, LinkSpec
+    from megatron_overlap.testing import tiny_gpt
+
+    tiny_gpt.init_parallel(tp)
+    config = tiny_gpt.transformer_config(tiny_gpt.TinyGPT(), tp, add_bias_linear=True,
+                                         gated_linear_unit=False, activation_func=F.gelu)
+    mlp = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    x = torch.randn(16, 2, 96, requires_grad=True)
+    counted = {}
+    for mode, flags in (("stock", []), ("ours", ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(2 * tp)])):
+        _install(flags)
+        with EmulatedLink(LinkSpec(bandwidth_GBps=1e4, latency_us=0.0)) as link:
+            out, bias = mlp(x)
+            (out + bias).sum().backward()
+            counted[mode] = (link.stats.total_bytes, dict(link.stats.bytes_by_op))
+    _install([])
+    return counted
+
+
+# --------------------------------------------------------------------------- install
+def programmatic_install_checks_at_first_run(tp: int, chunks: int) -> str:
+    """Install from a namespace holding only our flags; the TP-size check fires when a
+    patched layer first runs."""
+    from megatron_overlap.testing import tiny_gpt
+
+    tiny_gpt.init_parallel(tp)
+    _config, layers = _layers(tp, fusion=False)
+    _install(["--overlap-tp", "p2p", "--overlap-tp-chunks", str(chunks)])
+    try:
+        layers["fc1(column)"](torch.randn(13, 3, 96))
+    except Exception as exc:  # the message is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        _install([])
+    return "no error"
+
+
+def sp_off_error(tp: int) -> str:
+    from megatron_overlap.testing import tiny_gpt
+
+    tiny_gpt.init_parallel(tp)
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    config = tiny_gpt.transformer_config(tiny_gpt.TinyGPT(), tp, sequence_parallel=False)
+    layer = ColumnParallelLinear(96, 200, config=config, init_method=torch.nn.init.normal_, bias=True)
+    _install(["--overlap-tp", "p2p"])
+    try:
+        layer(torch.randn(8, 2, 96))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        _install([])
+    return "no error"
