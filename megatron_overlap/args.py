@@ -29,7 +29,13 @@ def _chunk_count(text: str) -> int:
 
 
 def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the plugin's flags to ``parser`` and return it (Megatron's extra_args_provider API)."""
+    """Add the plugin's flags to ``parser`` and return it (Megatron's extra_args_provider API).
+
+    Idempotent: a parser that has them already (a patched Megatron fork run through the
+    launcher, say) is returned as it is.
+    """
+    if any("--overlap-tp" in action.option_strings for action in parser._actions):
+        return parser
     group = parser.add_argument_group(
         "megatron-overlap", "Hide tensor-parallel communication behind the GEMMs."
     )

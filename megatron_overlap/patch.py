@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -35,8 +36,15 @@ logger = logging.getLogger("megatron_overlap")
 _LINEAR_FN = "linear_with_grad_accumulation_and_async_allreduce"
 
 
+def _is_rank_zero() -> bool:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    # Megatron parses its args before torch.distributed starts; torchrun/SLURM set RANK.
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
 def _notice(message: str):
-    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+    if _is_rank_zero():
         logger.warning("megatron-overlap: %s", message)
 
 
@@ -99,10 +107,15 @@ def install(args_or_config: Union[OverlapConfig, Any]) -> OverlapConfig:
     ``args_or_config``: Megatron's parsed args, a namespace holding only the plugin's flags
     (from a parser filled by :func:`add_overlap_args`), or an :class:`OverlapConfig`. Settings
     the args do not carry (TP size, sequence parallelism) are checked when a patched layer
-    first runs. Installing again replaces the config; installing with overlap off uninstalls.
+    first runs. Installing again with the same arguments changes nothing (Megatron parses its
+    arguments several times per run); with other arguments it replaces the config; with
+    overlap off it uninstalls.
     """
     global _installation
     config = OverlapConfig.from_args(args_or_config)
+    if not config.enabled:
+        uninstall()  # nothing to patch, nothing to check: also no Megatron version needed
+        return config
     is_full_megatron_args = hasattr(args_or_config, "tensor_model_parallel_size")
     context = (
         ModelContext.from_megatron_args(args_or_config) if is_full_megatron_args else ModelContext()
@@ -115,11 +128,10 @@ def install(args_or_config: Union[OverlapConfig, Any]) -> OverlapConfig:
             return config
         uninstall()
     if not tp_overlap_applies(config, context):
-        if config.enabled:
-            _notice(
-                f"--overlap-tp {config.tp} has nothing to overlap with tensor-parallel size 1; "
-                "running stock Megatron"
-            )
+        _notice(
+            f"--overlap-tp {config.tp} has nothing to overlap with tensor-parallel size 1; "
+            "running stock Megatron"
+        )
         return config
 
     if compat.transformer_engine_version() is not None:

@@ -149,10 +149,25 @@ class RingAllGather(_RingBase):
         rows = self.rows_of(owner, piece)
         if step == 0:
             return owner, rows, self.x_shard[piece.start : piece.stop]
-        self._recvs.pop((step, k)).wait()
-        tensor = self.gathered[rows]
-        self._forward(step, k, tensor)
-        return owner, rows, tensor
+        if (step, k) in self._recvs:
+            self._recvs.pop((step, k)).wait()
+            self._forward(step, k, self.gathered[rows])
+        self._pump()
+        return owner, rows, self.gathered[rows]
+
+    def _pump(self):
+        """Forward every piece that has already landed, in (step, piece) order, so the ring
+        keeps moving while the caller computes. Stops at the first piece still in flight:
+        every rank forwards in the same order, which NCCL's in-order matching needs."""
+        for key in sorted(self._recvs):
+            work = self._recvs[key]
+            if not work.is_completed():
+                return
+            del self._recvs[key]
+            work.wait()
+            step, k = key
+            piece = self.pieces[k]
+            self._forward(step, k, self.gathered[self.rows_of(self.owner(step, piece), piece)])
 
     def finish(self):
         if self._recvs:

@@ -54,6 +54,7 @@ def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float, th
     # Megatron announces at import that apex/TE are absent; on CPU that is the expected state.
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    warnings.filterwarnings("ignore", message=".*(deprecated|cuda_graph_scope).*", category=UserWarning)
     import torch
     import torch.distributed as dist
 

@@ -1,0 +1,36 @@
+"""Command-line front ends of the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .mlp import MLPBench, format_table, run
+
+
+def add_mlp_args(parser: argparse.ArgumentParser):
+    d = MLPBench()
+    parser.add_argument("--hidden", type=int, default=d.hidden)
+    parser.add_argument("--ffn", type=int, default=d.ffn)
+    parser.add_argument("--seq", type=int, default=d.seq)
+    parser.add_argument("--micro-batch", type=int, default=d.micro_batch)
+    parser.add_argument("--tp", type=int, default=d.tp, help="ranks (one per core is the fair setting)")
+    parser.add_argument("--steps", type=int, default=d.steps, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument("--comm-ratio", type=float, default=d.comm_ratio,
+                        help="link calibrated so transfer time = ratio x compute time")
+    parser.add_argument("--latency-us", type=float, default=d.latency_us)
+    parser.add_argument("--overlap-tp-chunks", dest="chunks", type=int, default=d.chunks)
+    parser.add_argument("--overlap-tp-rs", dest="rs", choices=("ring", "a2a"), default=d.rs)
+    parser.add_argument("--overlap-tp-bidirectional", dest="bidirectional", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
+
+
+def mlp_main(args) -> int:
+    fields = MLPBench.__dataclass_fields__
+    cfg = MLPBench(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+    result = run(cfg)
+    print(format_table(result))
+    if args.json:
+        print(json.dumps(result))
+    return 0

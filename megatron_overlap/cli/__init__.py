@@ -1,0 +1,1 @@
+"""The ``megatron-overlap`` command line: run, demo, bench, check."""

@@ -1,0 +1,86 @@
+"""``megatron-overlap check``: versions, and which overlap backends can run here."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from importlib import metadata
+
+from .. import compat
+
+
+def _version(dist_name: str):
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def report() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    mcore = compat.megatron_core_version()
+    try:
+        compat.check_megatron_version(mcore)
+        mcore_ok, mcore_note = True, "supported"
+    except Exception as exc:  # the message is the report
+        mcore_ok, mcore_note = False, str(exc)
+    cuda = torch.cuda.is_available()
+    te = compat.transformer_engine_version()
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "megatron-core": mcore,
+        "megatron-core supported": mcore_ok,
+        "megatron-core note": mcore_note,
+        "triton": _version("triton"),
+        "transformer-engine": te,
+        "apex": compat.apex_version(),
+        "cuda devices": torch.cuda.device_count() if cuda else 0,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+        "nccl": dist.is_available() and dist.is_nccl_available(),
+    }
+    backends = {
+        "off": (True, "stock Megatron"),
+        "p2p": (
+            mcore_ok and dist.is_available(),
+            "chunked P2P rings over torch.distributed (gloo, NCCL): works on CPU and GPU"
+            if mcore_ok
+            else "needs a supported megatron-core",
+        ),
+        "auto": (mcore_ok, "resolves to p2p (the only backend so far)"),
+    }
+    info["backends"] = {name: {"usable": ok, "note": note} for name, (ok, note) in backends.items()}
+    info["transformer-engine note"] = (
+        "present: only Megatron's local linears (--transformer-impl local) are patched; "
+        "TE's linears are left as they are, and --transformer-impl transformer_engine with "
+        "--overlap-tp on is refused"
+        if te
+        else "absent: use --transformer-impl local (the only path this plugin patches)"
+    )
+    return info
+
+
+def format_report(info: dict) -> str:
+    lines = ["megatron-overlap check", ""]
+    for key in ("python", "torch", "megatron-core", "triton", "transformer-engine", "apex", "device", "gloo", "nccl"):
+        value = info[key]
+        lines.append(f"  {key:20} {value if value not in (None, '') else 'not installed'}")
+    if not info["megatron-core supported"]:
+        lines.append(f"  !! {info['megatron-core note']}")
+    lines += ["", "  --overlap-tp backends:"]
+    for name, entry in info["backends"].items():
+        mark = "yes" if entry["usable"] else "no "
+        lines.append(f"    {name:8} {mark}  {entry['note']}")
+    lines += ["", f"  Transformer Engine: {info['transformer-engine note']}"]
+    return "\n".join(lines)
+
+
+def main(json_output: bool = False) -> int:
+    import json
+
+    info = report()
+    print(json.dumps(info) if json_output else format_report(info))
+    return 0 if info["megatron-core supported"] else 1

@@ -1,0 +1,69 @@
+"""Entry point of the ``megatron-overlap`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-overlap",
+        description="Hide Megatron-LM's tensor-parallel communication behind its GEMMs.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser(
+        "run",
+        help="run a Megatron-LM training script (e.g. pretrain_gpt.py) with the plugin's flags",
+        description="Run SCRIPT with ARGS; the --overlap-* flags join Megatron's parser and the "
+        "patches are installed right after parsing. Under torchrun: "
+        "torchrun ... -m megatron_overlap run pretrain_gpt.py ...",
+    )
+    run.add_argument("script")
+    run.add_argument("args", nargs=argparse.REMAINDER)
+
+    from ..demo import add_demo_args
+
+    add_demo_args(sub.add_parser("demo", help="the CPU demo: stock vs overlapped training on an emulated link"))
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from ..bench.cli import add_mlp_args
+
+    add_mlp_args(bench_sub.add_parser("mlp", help="MLP block fwd+bwd, stock vs overlap, emulated link"))
+
+    check = sub.add_parser("check", help="print versions and which backends are usable here")
+    check.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        from .launch import LaunchError, run_script
+
+        try:
+            run_script(args.script, args.args)
+        except LaunchError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        return 0
+    if args.command == "check":
+        from .check import main as check_main
+
+        return check_main(args.json)
+    if args.command == "demo":
+        from ..demo import main as demo_main
+
+        return demo_main(args)
+    if args.command == "bench" and args.bench == "mlp":
+        from ..bench.cli import mlp_main
+
+        return mlp_main(args)
+    raise AssertionError(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

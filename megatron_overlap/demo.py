@@ -1,0 +1,330 @@
+"""``megatron-overlap demo``: the main job on a CPU.
+
+Four gloo ranks train a tiny GPT on Megatron's local spec twice, side by side: stock Megatron
+and the plugin, step for step on the same emulated link (one egress port per rank,
+bandwidth calibrated so a step's TP transfers take about as long as its compute). Prints the
+per-step losses of both (they agree), step time, exposed communication and the fraction of
+communication hidden; writes a PNG timeline of one transformer layer per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    world: int = 4
+    tp: int = 4
+    steps: int = 20
+    warmup: int = 2
+    layers: int = 2
+    hidden: int = 512
+    ffn: int = 1408
+    heads: int = 8
+    kv_heads: int = 2
+    seq: int = 1024
+    micro_batch: int = 1
+    vocab: int = 4096
+    lr: float = 0.05
+    bandwidth_GBps: float = 0.0  # 0: calibrate (transfer time ~ compute time)
+    comm_ratio: float = 1.0
+    latency_us: float = 20.0
+    chunks: int = 0
+    rs: str = "ring"
+    bidirectional: bool = False
+    seed: int = 1234
+
+    def model(self):
+        from .testing.tiny_gpt import TinyGPT
+
+        return TinyGPT(num_layers=self.layers, hidden=self.hidden, ffn=self.ffn, heads=self.heads,
+                       kv_heads=self.kv_heads, vocab=self.vocab, seq=self.seq, micro_batch=self.micro_batch)
+
+    def overlap_flags(self) -> list[str]:
+        flags = ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(self.chunks), "--overlap-tp-rs", self.rs]
+        return flags + (["--overlap-tp-bidirectional"] if self.bidirectional else [])
+
+
+# --------------------------------------------------------------------------- rank side
+class _Session:
+    """Per-rank state of one demo run: two identically initialised models and the link."""
+
+    def __init__(self, cfg: DemoConfig):
+        import megatron_overlap
+        from megatron.core import parallel_state
+
+        from .comm.emulated_link import EmulatedLink, LinkSpec
+        from .testing import tiny_gpt
+
+        logging.getLogger("megatron_overlap").setLevel(logging.ERROR)
+        self.cfg = cfg
+        self.spec = cfg.model()
+        self.overlap_args = megatron_overlap.overlap_parser().parse_args(cfg.overlap_flags())
+        tiny_gpt.init_parallel(cfg.tp, seed=cfg.seed)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.models = {mode: self._build(mode) for mode in ("calibration", "baseline", "overlap")}
+        self.windows = {}
+        self._hook_layer(self.models["baseline"], "baseline")
+        self._hook_layer(self.models["overlap"], "overlap")
+
+        spec = LinkSpec(bandwidth_GBps=cfg.bandwidth_GBps or 1e6, latency_us=cfg.latency_us)
+        if not cfg.bandwidth_GBps:
+            spec = self._calibrate(spec)
+        del self.models["calibration"]
+        self.link = EmulatedLink(spec).install()
+
+    def _build(self, mode):
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        from .testing import tiny_gpt
+
+        torch.manual_seed(self.cfg.seed)
+        model_parallel_cuda_manual_seed(self.cfg.seed)
+        return tiny_gpt.wrap_ddp(tiny_gpt.build(self.spec, self.cfg.tp), overlap_grad_reduce=True)
+
+    def _hook_layer(self, ddp_model, mode):
+        """Record when layer 0's forward and backward start and end (the timeline's window).
+        Backward is bracketed by tensor hooks: the grad of the layer's output arrives (start),
+        the grad of its input is complete (end)."""
+        layer = ddp_model.module.decoder.layers[0]
+        window = self.windows.setdefault(mode, {})
+        now = time.perf_counter
+
+        def mark(key):
+            def hook(*_):
+                window[key] = now()
+
+            return hook
+
+        def pre(module, args, kwargs):
+            mark("fwd_start")()
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if hidden is not None and hidden.requires_grad:
+                hidden.register_hook(mark("bwd_end"))
+
+        def post(module, args, output):
+            mark("fwd_end")()
+            out = output[0] if isinstance(output, tuple) else output
+            if out.requires_grad:
+                out.register_hook(mark("bwd_start"))
+
+        layer.register_forward_pre_hook(pre, with_kwargs=True)
+        layer.register_forward_hook(post)
+
+    def _calibrate(self, free_spec):
+        """Bytes and time of one step on a free link -> the bandwidth at which transfers take
+        ``comm_ratio`` x the step's compute. Every rank gets the same link."""
+        from .comm.emulated_link import EmulatedLink, LinkSpec
+        from .testing import tiny_gpt
+
+        with EmulatedLink(free_spec) as probe:
+            tiny_gpt.train_step(self.models["calibration"], self.spec, 0, lr=self.cfg.lr)  # warm
+            probe.reset()
+            dist.barrier()
+            t0 = time.perf_counter()
+            tiny_gpt.train_step(self.models["calibration"], self.spec, 1, lr=self.cfg.lr)
+            elapsed = time.perf_counter() - t0
+            nbytes = probe.reset().total_bytes
+        volume = torch.tensor([float(nbytes), elapsed])
+        dist.all_reduce(volume, op=dist.ReduceOp.MAX)
+        bandwidth = volume[0].item() / (volume[1].item() * self.cfg.comm_ratio) / 1e9
+        return LinkSpec(bandwidth_GBps=bandwidth, latency_us=self.cfg.latency_us)
+
+    def step(self, index: int, record: bool) -> dict:
+        import megatron_overlap
+
+        from .testing import tiny_gpt
+
+        out = {}
+        for mode in ("baseline", "overlap"):
+            if mode == "overlap":
+                megatron_overlap.install(self.overlap_args)
+            self.link.record_spans = record
+            dist.barrier()
+            self.link.reset()
+            t0 = time.perf_counter()
+            loss = tiny_gpt.train_step(self.models[mode], self.spec, index, lr=self.cfg.lr)
+            t1 = time.perf_counter()
+            stats = self.link.reset()
+            megatron_overlap.uninstall()
+            out[mode] = {"loss": loss, "wall_s": t1 - t0, "blocked_s": stats.blocked_s,
+                         "busy_s": stats.busy_s, "bytes": stats.total_bytes}
+            if record:
+                out[mode]["trace"] = {
+                    "step": (t0, t1),
+                    "layer": dict(self.windows[mode]),
+                    "link": [(s.start, s.done) for s in stats.spans],
+                    "blocked": list(stats.waits),
+                }
+        return out
+
+    def close(self):
+        self.link.uninstall()
+
+
+_session: Optional[_Session] = None  # rank-side state of the demo process, not of the plugin
+
+
+def _setup(cfg_dict: dict) -> dict:
+    global _session
+    _session = _Session(DemoConfig(**cfg_dict))
+    return _session.link.spec.as_dict()
+
+
+def _step(index: int, record: bool) -> dict:
+    return _session.step(index, record)
+
+
+def _teardown() -> None:
+    global _session
+    if _session is not None:
+        _session.close()
+    _session = None
+
+
+# --------------------------------------------------------------------------- driver side
+def run(cfg: DemoConfig, out_dir: str = "runs/demo", progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from .testing.rank_pool import RankPool
+
+    if cfg.world % cfg.tp:
+        raise SystemExit(f"demo: --tp {cfg.tp} must divide --world {cfg.world}")
+    os.makedirs(out_dir, exist_ok=True)
+    bar = tqdm(total=cfg.steps + 1, desc="starting 4 gloo ranks", disable=not progress, unit="step")
+    per_step = []
+    with RankPool(cfg.world, timeout=1800, threads_per_rank=1) as pool:
+        link = pool.run(_setup, asdict(cfg))[0]
+        bar.set_description("baseline + overlap")
+        bar.update(1)
+        for index in range(cfg.steps):
+            rows = pool.run(_step, index, index == cfg.steps - 1)
+            per_step.append(rows)
+            bar.set_postfix(loss=f"{rows[0]['baseline']['loss']:.4f}/{rows[0]['overlap']['loss']:.4f}")
+            bar.update(1)
+        pool.run(_teardown)
+    bar.close()
+    result = summarize(cfg, link, per_step)
+    result["timeline_png"] = write_timeline(cfg, per_step[-1], os.path.join(out_dir, "timeline.png"))
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def summarize(cfg: DemoConfig, link: dict, per_step: list) -> dict:
+    result = {"config": asdict(cfg), "link": link}
+    timed = per_step[cfg.warmup:] or per_step
+    for mode in ("baseline", "overlap"):
+        wall = [1e3 * max(r[mode]["wall_s"] for r in rows) for rows in timed]
+        exposed = [1e3 * statistics.mean(r[mode]["blocked_s"] for r in rows) for rows in timed]
+        comm = [1e3 * statistics.mean(r[mode]["busy_s"] for r in rows) for rows in timed]
+        comm_ms = statistics.median(comm)
+        exposed_ms = statistics.median(exposed)
+        result[mode] = {
+            "losses": [rows[0][mode]["loss"] for rows in per_step],
+            "step_ms": statistics.median(wall),
+            "exposed_comm_ms": exposed_ms,
+            "comm_ms": comm_ms,
+            "hidden_fraction": max(0.0, 1 - exposed_ms / comm_ms) if comm_ms else 0.0,
+            "bytes_per_step": max(r[mode]["bytes"] for r in timed[-1]),
+        }
+    a, b = result["baseline"]["losses"], result["overlap"]["losses"]
+    result["max_loss_rel_diff"] = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    result["speedup"] = result["baseline"]["step_ms"] / result["overlap"]["step_ms"]
+    return result
+
+
+def write_timeline(cfg: DemoConfig, last_step: list, path: str) -> str:
+    from . import timeline
+
+    panels = []
+    for phase, (start_key, end_key) in (("forward", ("fwd_start", "fwd_end")), ("backward", ("bwd_start", "bwd_end"))):
+        spans = {}
+        for mode in ("baseline", "overlap"):
+            rows, width = [], 0.0
+            for rank, r in enumerate(last_step):
+                trace = r[mode]["trace"]
+                start, end = trace["layer"][start_key], trace["layer"][end_key]
+                width = max(width, 1e3 * (end - start))
+                rows.append((f"rank {rank} compute", "compute",
+                             timeline.clip(timeline.subtract((start, end), trace["blocked"]), start, end)))
+                rows.append((f"rank {rank} blocked", "blocked", timeline.clip(trace["blocked"], start, end)))
+                rows.append((f"rank {rank} link", "link", timeline.clip(trace["link"], start, end)))
+            spans[mode] = (rows, width)
+        width = max(w for _, w in spans.values())
+        for mode in ("baseline", "overlap"):
+            label = "stock Megatron" if mode == "baseline" else "megatron-overlap"
+            panels.append(timeline.Panel(f"{label}: layer 0 {phase}", width, spans[mode][0]))
+    return timeline.draw(
+        panels, path,
+        title=f"tiny GPT, TP={cfg.tp} x DP={cfg.world // cfg.tp}, emulated link, one layer of the last step",
+    )
+
+
+def format_table(result: dict) -> str:
+    cfg, link = result["config"], result["link"]
+    lines = [
+        f"tiny GPT ({cfg['layers']} layers, hidden {cfg['hidden']}, seq {cfg['seq']}), "
+        f"{cfg['world']} gloo ranks: TP={cfg['tp']} x DP={cfg['world'] // cfg['tp']}, SP, 1 thread/rank",
+        f"emulated link: {link['bandwidth_GBps']:.3f} GB/s egress per rank, {link['latency_us']:.0f} us/message",
+        "",
+        f"{'step':>4}  {'loss stock':>11}  {'loss overlap':>12}",
+    ]
+    for i, (a, b) in enumerate(zip(result["baseline"]["losses"], result["overlap"]["losses"])):
+        lines.append(f"{i:>4}  {a:>11.6f}  {b:>12.6f}")
+    lines += [
+        "",
+        f"{'':18}{'step ms':>9}{'comm ms':>9}{'exposed comm ms':>17}{'hidden':>8}",
+    ]
+    for mode, label in (("baseline", "stock Megatron"), ("overlap", "megatron-overlap")):
+        r = result[mode]
+        lines.append(f"{label:18}{r['step_ms']:>9.1f}{r['comm_ms']:>9.1f}{r['exposed_comm_ms']:>17.1f}"
+                     f"{100 * r['hidden_fraction']:>7.0f}%")
+    lines += [
+        "",
+        f"speedup {result['speedup']:.2f}x; losses differ by at most {result['max_loss_rel_diff']:.1e} (relative)",
+        f"timeline: {result['timeline_png']}",
+    ]
+    return "\n".join(lines)
+
+
+def add_demo_args(parser: argparse.ArgumentParser):
+    d = DemoConfig()
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--warmup", type=int, default=d.warmup, help="steps left out of the timing")
+    parser.add_argument("--world", type=int, default=d.world, help="gloo ranks")
+    parser.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (divides --world)")
+    parser.add_argument("--seq", type=int, default=d.seq)
+    parser.add_argument("--hidden", type=int, default=d.hidden)
+    parser.add_argument("--layers", type=int, default=d.layers)
+    parser.add_argument("--bandwidth-GBps", dest="bandwidth_GBps", type=float, default=d.bandwidth_GBps,
+                        help="emulated link bandwidth; 0 calibrates it to the compute")
+    parser.add_argument("--latency-us", type=float, default=d.latency_us)
+    parser.add_argument("--overlap-tp-chunks", dest="chunks", type=int, default=d.chunks)
+    parser.add_argument("--overlap-tp-rs", dest="rs", choices=("ring", "a2a"), default=d.rs)
+    parser.add_argument("--overlap-tp-bidirectional", dest="bidirectional", action="store_true")
+    parser.add_argument("--out", default="runs/demo", help="directory for timeline.png and result.json")
+    parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def main(args) -> int:
+    names = {f.name for f in fields(DemoConfig)}
+    cfg = DemoConfig(**{k: v for k, v in vars(args).items() if k in names})
+    result = run(cfg, out_dir=args.out, progress=not args.no_progress)
+    print(format_table(result))
+    if args.json:
+        keys = ("config", "link", "baseline", "overlap")
+        print(json.dumps({k: result[k] for k in keys}))
+    return 0

@@ -1,0 +1,148 @@
+"""The command line: check, run (flag injection into Megatron-LM's parser without editing it),
+the demo end to end, and the shipped example scripts and fork diffs."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args, cwd=None, timeout=600):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "megatron_overlap", *args], cwd=cwd or ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_check_reports_versions_and_backends():
+    out = cli("check", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["megatron-core supported"] and info["megatron-core"].startswith("0.1")
+    assert info["backends"]["p2p"]["usable"] and info["gloo"]
+    text = cli("check").stdout
+    assert "--overlap-tp backends" in text and "p2p" in text
+
+
+# A stand-in for Megatron-LM's megatron/training with the two ways pretrain_gpt.py reaches
+# parse_args: <= 0.17 through initialize_megatron (which imported parse_args by name), 0.18+
+# through parse_and_validate_args. Only the parse_args contract matters to the launcher.
+FAKE_ARGUMENTS = '''
+import argparse
+
+def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--transformer-impl", default="transformer_engine")
+    parser.add_argument("--seq-length", type=int, default=None)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser.parse_args()
+
+def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):
+    return parse_args(extra_args_provider, ignore_unknown_args)
+'''
+FAKE_INITIALIZE = '''
+from megatron.training.arguments import parse_args
+
+def initialize_megatron(extra_args_provider=None):
+    return parse_args(extra_args_provider)
+'''
+SCRIPT = '''
+import json, sys
+import megatron_overlap
+{entry}
+
+def modelopt_args(parser):
+    parser.add_argument("--script-own-flag", action="store_true")
+    return parser
+
+args = {call}(extra_args_provider=modelopt_args)
+print(json.dumps(dict(installed=megatron_overlap.is_installed(), tp=args.tensor_model_parallel_size,
+                      own=args.script_own_flag, overlap=args.overlap_tp, rs=args.overlap_tp_rs,
+                      argv0=sys.argv[0])))
+'''
+
+
+@pytest.fixture
+def fake_megatron_lm(tmp_path):
+    training = tmp_path / "megatron" / "training"
+    training.mkdir(parents=True)
+    (training / "__init__.py").write_text("from .initialize import initialize_megatron\n")
+    (training / "arguments.py").write_text(FAKE_ARGUMENTS)
+    (training / "initialize.py").write_text(FAKE_INITIALIZE)
+    (tmp_path / "pretrain_v016.py").write_text(SCRIPT.format(
+        entry="from megatron.training.initialize import initialize_megatron", call="initialize_megatron"))
+    (tmp_path / "pretrain_v018.py").write_text(SCRIPT.format(
+        entry="from megatron.training.arguments import parse_and_validate_args", call="parse_and_validate_args"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("script", ["pretrain_v016.py", "pretrain_v018.py"])
+def test_run_injects_flags_and_installs_after_parsing(fake_megatron_lm, script):
+    out = cli("run", str(fake_megatron_lm / script), "--tensor-model-parallel-size", "2",
+              "--sequence-parallel", "--transformer-impl", "local", "--script-own-flag",
+              "--overlap-tp", "p2p", "--overlap-tp-rs", "a2a", cwd=fake_megatron_lm)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == dict(installed=True, tp=2, own=True, overlap="p2p", rs="a2a",
+                          argv0=str(fake_megatron_lm / script))
+    assert "TP overlap on" in out.stderr
+
+
+def test_run_refuses_te_linears_with_a_clear_error(fake_megatron_lm):
+    out = cli("run", str(fake_megatron_lm / "pretrain_v018.py"), "--tensor-model-parallel-size", "2",
+              "--sequence-parallel", "--overlap-tp", "p2p", cwd=fake_megatron_lm)
+    assert out.returncode != 0
+    assert "--transformer-impl: Transformer Engine's linears are not patched" in out.stderr
+
+
+def test_run_errors(tmp_path):
+    out = cli("run", str(tmp_path / "missing.py"))
+    assert out.returncode == 2 and "no such script" in out.stderr
+    (tmp_path / "pretrain_gpt.py").write_text("print('hi')\n")
+    out = cli("run", str(tmp_path / "pretrain_gpt.py"), cwd=tmp_path)
+    assert out.returncode == 2 and "cannot import megatron.training" in out.stderr
+
+
+def test_example_scripts_parse_and_use_the_flags():
+    for script in sorted((ROOT / "examples").glob("*.sh")) + sorted((ROOT / "examples").glob("*.sbatch")):
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
+        text = script.read_text()
+        for flag in ("--overlap-tp", "--sequence-parallel", "--transformer-impl local", "megatron-overlap run"):
+            assert flag in text, (script, flag)
+
+
+def test_fork_diffs_touch_only_parse_args():
+    diffs = sorted((ROOT / "patches").glob("*.diff"))
+    assert len(diffs) == 2
+    for diff in diffs:
+        text = diff.read_text()
+        files = [line for line in text.splitlines() if line.startswith("+++ ")]
+        assert files == ["+++ b/megatron/training/arguments.py"], diff
+        added = [line for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
+        assert any("add_overlap_args(parser)" in line for line in added)
+        assert any("megatron_overlap.install(args)" in line for line in added)
+        assert not any(line.startswith("-") and not line.startswith("---") for line in text.splitlines())
+
+
+def test_demo_end_to_end(tmp_path):
+    out = cli("demo", "--steps", "3", "--warmup", "1", "--seq", "256", "--hidden", "256",
+              "--no-progress", "--json", "--out", str(tmp_path), timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(result) == {"config", "link", "baseline", "overlap"}
+    for mode in ("baseline", "overlap"):
+        assert set(result[mode]) >= {"losses", "step_ms", "exposed_comm_ms"}
+        assert len(result[mode]["losses"]) == 3
+    for a, b in zip(result["baseline"]["losses"], result["overlap"]["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(a)
+    png = tmp_path / "timeline.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "loss stock" in out.stdout and "hidden" in out.stdout

@@ -1,0 +1,171 @@
+"""Flags, the config object, and every invalid configuration: each gives one clear error that
+names the flag to change."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+import megatron_overlap
+from megatron_overlap import OverlapConfig, OverlapConfigError, add_overlap_args, overlap_parser
+from megatron_overlap.config import ModelContext, check_model, chunks_per_rank
+
+MEGATRON_FLAGS = {
+    line.strip()
+    for line in (Path(__file__).parent / "data" / "megatron_flags.txt").read_text().splitlines()
+    if line.startswith("--")
+}
+
+
+def parse(*flags):
+    return overlap_parser().parse_args(list(flags))
+
+
+def test_flag_set_is_pinned():
+    parser = add_overlap_args(argparse.ArgumentParser())
+    added = {opt for action in parser._actions for opt in action.option_strings} - {"-h", "--help"}
+    assert added == set(megatron_overlap.FLAGS) == {
+        "--overlap-tp",
+        "--overlap-tp-chunks",
+        "--overlap-tp-rs",
+        "--overlap-tp-bidirectional",
+    }
+
+
+def test_no_flag_collides_with_megatron():
+    assert len(MEGATRON_FLAGS) > 500  # the list is real, not empty
+    for flag in megatron_overlap.FLAGS:
+        assert flag not in MEGATRON_FLAGS
+        # Megatron parses with allow_abbrev=False, but no Megatron flag may start with ours
+        # either, or a user's typo would silently pick the other one.
+        assert not any(m.startswith(flag) for m in MEGATRON_FLAGS), flag
+    # and our dests do not shadow a field Megatron reads from args
+    megatron_dests = {m[2:].replace("-", "_") for m in MEGATRON_FLAGS}
+    parser = add_overlap_args(argparse.ArgumentParser())
+    ours = {a.dest for a in parser._actions if a.option_strings and a.dest != "help"}
+    assert not ours & megatron_dests
+
+
+def test_usable_as_extra_args_provider():
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser = add_overlap_args(parser)  # Megatron: parser = extra_args_provider(parser)
+    args = parser.parse_args(["--tensor-model-parallel-size", "8", "--overlap-tp", "p2p"])
+    assert args.tensor_model_parallel_size == 8 and args.overlap_tp == "p2p"
+
+
+def test_defaults_and_round_trip():
+    config = OverlapConfig.from_args(parse())
+    assert config == OverlapConfig() and not config.enabled
+    config = OverlapConfig.from_args(
+        parse("--overlap-tp", "p2p", "--overlap-tp-chunks", "16", "--overlap-tp-rs", "a2a", "--overlap-tp-bidirectional")
+    )
+    assert (config.tp, config.tp_chunks, config.tp_rs, config.tp_bidirectional) == ("p2p", 16, "a2a", True)
+    assert OverlapConfig.from_args(parse(*config.as_flags())) == config
+    assert OverlapConfig.from_args(parse("--overlap-tp", "auto")).backend == "p2p"
+    with pytest.raises(Exception):
+        config.tp = "off"  # frozen
+
+
+def test_default_chunk_rule():
+    config = OverlapConfig(tp="p2p")
+    assert chunks_per_rank(config, 2, 1024) == 8  # one per 128 tokens, at most 8
+    assert chunks_per_rank(config, 2, 256, batch=2) == 4
+    assert chunks_per_rank(config, 8, 16) == 1
+    assert chunks_per_rank(OverlapConfig(tp="p2p", tp_chunks=12), 4, 1024) == 3
+
+
+# --------------------------------------------------------------------------- bad input
+def megatron_args(*flags, tp=4, sp=True, impl="local", tp_comm_overlap=False, seq=64):
+    args = parse(*flags)
+    args.tensor_model_parallel_size = tp
+    args.sequence_parallel = sp
+    args.transformer_impl = impl
+    args.tp_comm_overlap = tp_comm_overlap
+    args.seq_length = seq
+    args.micro_batch_size = 1
+    return args
+
+
+def parser_error(capsys, *flags) -> str:
+    with pytest.raises(SystemExit):
+        parse(*flags)
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags,kwargs,flag,words",
+    [
+        (["--overlap-tp", "p2p"], dict(sp=False), "--overlap-tp", "--sequence-parallel"),
+        (["--overlap-tp", "p2p", "--overlap-tp-chunks", "6"], {}, "--overlap-tp-chunks", "not a multiple"),
+        (["--overlap-tp", "p2p"], dict(impl="transformer_engine"), "--transformer-impl", "--transformer-impl local"),
+        (["--overlap-tp", "p2p"], dict(tp_comm_overlap=True), "--overlap-tp", "--tp-comm-overlap"),
+        (["--overlap-tp", "p2p"], dict(seq=66), "--seq-length", "not divisible"),
+        (["--overlap-tp", "p2p", "--overlap-tp-chunks", "128"], dict(seq=64), "--overlap-tp-chunks", "<= 64"),
+        (["--overlap-tp", "p2p"], dict(tp=0), "--tensor-model-parallel-size", "positive"),
+        (["--overlap-tp-rs", "a2a"], {}, "--overlap-tp-rs", "only apply to TP overlap"),
+        (["--overlap-tp-bidirectional"], {}, "--overlap-tp-bidirectional", "only apply to TP overlap"),
+        (["--overlap-tp", "off", "--overlap-tp-chunks", "8"], {}, "--overlap-tp-chunks", "--overlap-tp p2p"),
+    ],
+    ids=[
+        "overlap-without-sp",
+        "chunks-not-multiple-of-tp",
+        "te-linears",
+        "conflicts-with-tp-comm-overlap",
+        "seq-not-divisible-by-tp",
+        "more-chunks-than-rows",
+        "zero-tp-size",
+        "rs-without-overlap",
+        "bidirectional-without-overlap",
+        "chunks-without-overlap",
+    ],
+)
+def test_invalid_configurations_name_the_flag(flags, kwargs, flag, words):
+    with pytest.raises(OverlapConfigError) as info:
+        megatron_overlap.install(megatron_args(*flags, **kwargs))
+    assert info.value.flag == flag
+    assert str(info.value).startswith(flag + ":")
+    assert words in str(info.value)
+    assert not megatron_overlap.is_installed()
+
+
+def test_parser_rejects_bad_values_naming_the_flag(capsys):
+    assert "argument --overlap-tp-chunks: must be 0" in parser_error(capsys, "--overlap-tp-chunks", "-2")
+    assert "argument --overlap-tp-chunks: expected a whole number" in parser_error(capsys, "--overlap-tp-chunks", "x")
+    assert "argument --overlap-tp: invalid choice" in parser_error(capsys, "--overlap-tp", "fast")
+    assert "argument --overlap-tp-rs: invalid choice" in parser_error(capsys, "--overlap-tp-rs", "tree")
+
+
+def test_config_object_validates_on_its_own():
+    with pytest.raises(OverlapConfigError, match="^--overlap-tp: unknown mode 'fast'"):
+        OverlapConfig(tp="fast")
+    with pytest.raises(OverlapConfigError, match="^--overlap-tp-chunks: must be 0"):
+        OverlapConfig(tp="p2p", tp_chunks=-4)
+    with pytest.raises(OverlapConfigError, match="^--overlap-tp-chunks: expected a whole number"):
+        OverlapConfig(tp="p2p", tp_chunks=2.5)
+    with pytest.raises(OverlapConfigError, match="^--overlap-tp-rs: unknown algorithm"):
+        OverlapConfig(tp="p2p", tp_rs="tree")
+
+
+def test_install_rejects_foreign_arguments():
+    with pytest.raises(TypeError, match="add_overlap_args"):
+        megatron_overlap.install(argparse.Namespace(lr=1.0))
+
+
+def test_unknown_fields_pass_until_the_layer_runs():
+    # programmatic install: nothing about the model is known yet, nothing is refused yet
+    check_model(OverlapConfig(tp="p2p", tp_chunks=6), ModelContext())
+    with pytest.raises(OverlapConfigError, match="not a multiple"):
+        check_model(OverlapConfig(tp="p2p", tp_chunks=6), ModelContext(tp_size=4))
+
+
+def test_adding_the_flags_twice_is_harmless():
+    parser = add_overlap_args(add_overlap_args(argparse.ArgumentParser()))
+    assert parser.parse_args(["--overlap-tp", "p2p"]).overlap_tp == "p2p"
+
+
+def test_overlap_off_needs_no_megatron(monkeypatch):
+    from megatron_overlap import compat
+
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: None)
+    assert not megatron_overlap.install(parse()).enabled  # no MegatronVersionError

@@ -1,0 +1,39 @@
+"""The emulated link: transfers take latency + bytes / bandwidth, queue on one egress port per
+rank, reach Megatron's import-time bindings, and count the same bytes for stock and plugin."""
+
+from megatron_overlap.comm.emulated_link import LinkSpec
+
+from . import rank_fns
+
+
+def test_link_spec_validates():
+    import pytest
+
+    with pytest.raises(ValueError, match="bandwidth_GBps"):
+        LinkSpec(bandwidth_GBps=0)
+    with pytest.raises(ValueError, match="latency_us"):
+        LinkSpec(bandwidth_GBps=1, latency_us=-1)
+    assert LinkSpec(bandwidth_GBps=1, latency_us=0).seconds(1e9) == 1.0
+
+
+def test_transfers_take_link_time(pool4):
+    for r in pool4.run(rank_fns.link_timing):
+        one = r["expected_one_s"]  # 1 MiB at 0.1 GB/s + 2 ms = ~12.5 ms
+        assert r["rebound"] and r["restored"], r
+        assert r["async_return_s"] < one / 2, r  # issuing does not wait
+        assert r["all_gather_s"] >= one * 0.99, r
+        assert r["first_recv_s"] >= one * 0.99, r
+        # the second send queues behind the first on the same egress port
+        assert r["second_recv_s"] >= 2 * (one - 0.002) * 0.99, r
+        assert r["recv_ok"], r
+        assert r["all_gather_bytes"] == 1 << 20, r  # (R-1) x shard for R=2
+        assert r["blocked_s"] > 0, r
+
+
+def test_plugin_moves_the_same_bytes_as_stock(pool4):
+    for tp in (2, 4):
+        for counted in pool4.run(rank_fns.mlp_bytes_stock_vs_ours, tp):
+            stock_total, stock_ops = counted["stock"]
+            ours_total, ours_ops = counted["ours"]
+            assert stock_total > 0
+            assert ours_total == stock_total, (stock_ops, ours_ops)

@@ -1,0 +1,114 @@
+"""install()/uninstall(): only asked-for patches, exact restoration, idempotence, version
+range, TP=1 notice, and the same errors when the checks can only run at the first layer."""
+
+import logging
+
+import pytest
+
+import megatron_overlap
+from megatron_overlap import MegatronVersionError, compat
+
+from . import rank_fns
+from .test_config import megatron_args, parse
+
+
+def _snapshot():
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import layers, mappings
+
+    owners = [layers, mappings, tensor_parallel, layers.ColumnParallelLinear, layers.RowParallelLinear,
+              layers.LinearWithGradAccumulationAndAsyncCommunication]
+    return {(id(o), k): v for o in owners for k, v in vars(o).items()}
+
+
+def test_install_uninstall_restores_every_attribute():
+    from megatron.core.tensor_parallel import layers
+
+    before = _snapshot()
+    original = layers.linear_with_grad_accumulation_and_async_allreduce
+    megatron_overlap.install(parse("--overlap-tp", "p2p"))
+    assert megatron_overlap.is_installed()
+    assert layers.linear_with_grad_accumulation_and_async_allreduce is not original
+    assert layers.RowParallelLinear.forward is not before[(id(layers.RowParallelLinear), "forward")]
+    # Megatron reads this attribute back through the module global, which is now ours
+    assert hasattr(layers.linear_with_grad_accumulation_and_async_allreduce, "warned")
+    megatron_overlap.uninstall()
+    after = _snapshot()
+    assert after.keys() == before.keys()
+    assert all(after[k] is before[k] for k in before)
+
+
+def test_install_is_idempotent_and_reconfigurable():
+    from megatron.core.tensor_parallel import layers
+
+    args = parse("--overlap-tp", "p2p")
+    megatron_overlap.install(args)
+    patched = layers.linear_with_grad_accumulation_and_async_allreduce
+    megatron_overlap.install(args)
+    assert layers.linear_with_grad_accumulation_and_async_allreduce is patched  # no double wrap
+    config = megatron_overlap.install(parse("--overlap-tp", "p2p", "--overlap-tp-rs", "a2a"))
+    assert megatron_overlap.active_config() == config and config.tp_rs == "a2a"
+    megatron_overlap.install(parse("--overlap-tp", "off"))
+    assert not megatron_overlap.is_installed()
+    megatron_overlap.uninstall()
+    megatron_overlap.uninstall()
+
+
+def test_only_requested_patches():
+    before = _snapshot()
+    megatron_overlap.install(parse())  # overlap off: nothing at all
+    assert not megatron_overlap.is_installed()
+    assert all(_snapshot()[k] is before[k] for k in before)
+
+
+@pytest.mark.parametrize("version", ["0.15.3", "0.20.0", "1.0.0"])
+def test_unsupported_megatron_core(monkeypatch, version):
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: version)
+    with pytest.raises(MegatronVersionError, match=r"supports megatron-core >=0\.16,<0\.20; found " + version):
+        megatron_overlap.install(parse("--overlap-tp", "p2p"))
+    assert not megatron_overlap.is_installed()
+
+
+def test_supported_versions_parse():
+    for version in ("0.16.0", "0.16.1", "0.17.1", "0.18.2", "0.19.0rc1", "0.19.2+abc"):
+        assert compat.check_megatron_version(version)[:2] in {(0, 16), (0, 17), (0, 18), (0, 19)}
+
+
+def test_linear_call_reads_both_signatures():
+    import inspect
+
+    def v016(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+             grad_output_buffer=None, wgrad_deferral_limit=0, async_grad_allreduce=None, tp_group=None):
+        pass
+
+    def v019(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+             grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None, gtp_remat_size=1):
+        pass
+
+    for fn, extra in ((v016, {}), (v019, {"gtp_remat_size": 2})):
+        call = compat.LinearCall(inspect.signature(fn), ("x", "w", None, False, False, True),
+                                 dict(tp_group="g", **extra))
+        assert (call.input, call.sequence_parallel, call.tp_group) == ("x", True, "g")
+        assert call.gtp_remat_size == (2 if extra else 1)
+
+
+def test_tp1_is_a_notice_not_an_error(caplog):
+    with caplog.at_level(logging.WARNING, logger="megatron_overlap"):
+        config = megatron_overlap.install(megatron_args("--overlap-tp", "p2p", tp=1, sp=False))
+    assert config.enabled and not megatron_overlap.is_installed()
+    notices = [r for r in caplog.records if "tensor-parallel size 1" in r.getMessage()]
+    assert len(notices) == 1
+
+
+def test_full_megatron_args_install(caplog):
+    with caplog.at_level(logging.WARNING, logger="megatron_overlap"):
+        megatron_overlap.install(megatron_args("--overlap-tp", "p2p", "--overlap-tp-chunks", "8"))
+    assert megatron_overlap.is_installed()
+    assert any("TP overlap on" in r.getMessage() for r in caplog.records)
+
+
+def test_programmatic_install_checks_when_the_layer_runs(pool4):
+    for message in pool4.run(rank_fns.programmatic_install_checks_at_first_run, 4, 6):
+        assert message.startswith("OverlapConfigError: --overlap-tp-chunks: 6 is not a multiple of the tensor-parallel size 4"), message
+    for message in pool4.run(rank_fns.sp_off_error, 2):
+        assert message.startswith("OverlapConfigError: --overlap-tp:") and "--sequence-parallel" in message, message
