@@ -208,14 +208,15 @@ def check_model(config: OverlapConfig, ctx: ModelContext) -> None:
 
 
 def chunks_per_rank(config: OverlapConfig, tp_size: int, rows_per_rank: int, batch: int = 1) -> int:
-    """Sub-chunks of each rank's shard (before the bidirectional halving).
+    """Chunks of each rank's shard (before the bidirectional halving).
 
-    With ``--overlap-tp-chunks 0`` the plugin picks one chunk per 128 tokens of the rank's
-    shard (``rows_per_rank * batch``), between 1 and 8: finer chunks shorten the pipeline's
-    fill and drain, coarser ones pay less per-message latency and run larger GEMMs. Measured
+    ``--overlap-tp-chunks N`` gives N / TP uniform chunks. With 0 the plugin picks one chunk per
+    ~256 tokens of the rank's shard (``rows_per_rank * batch``) plus one, between 1 and 5, and
+    tapers them (first and last half-size, see ``split_pieces``): finer chunks shorten the
+    pipeline's fill and drain, coarser ones pay less per message and run larger GEMMs. Chosen
     on the MLP benchmark (BENCHMARKS.md); the cost-model issue replaces this rule with a search.
     """
     if config.tp_chunks:
         return config.tp_chunks // tp_size
-    return max(1, min(8, rows_per_rank * batch // 128))
-
+    tokens = rows_per_rank * batch
+    return max(1, min(5, tokens // 256 + 1))

@@ -81,7 +81,8 @@ class Installation:
             )
             chunks = chunks_per_rank(self.config, size, shard_rows, batch)
             plan = TPPlan(
-                pieces=split_pieces(shard_rows, chunks, self.config.tp_bidirectional),
+                # chosen chunks are tapered (short first/last); chunks the user set are uniform
+                pieces=split_pieces(shard_rows, chunks, self.config.tp_bidirectional, taper=not self.config.tp_chunks),
                 rs_algo=self.config.tp_rs,
                 prefetch=self.prefetch,
             )

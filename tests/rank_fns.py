@@ -251,13 +251,14 @@ def link_timing() -> dict:
         result["all_gather_s"] = time.perf_counter() - t0
         result["all_gather_bytes"] = link.stats.bytes_by_op["all_gather_single"] + link.stats.bytes_by_op["all_gather_into_tensor"]
         dist.barrier(group=group)
-        t0 = time.perf_counter()
+        # absolute times (perf_counter is one clock for all processes of this machine)
+        result["send_issued_at"] = time.perf_counter()
         recv = [torch.empty_like(x), torch.empty_like(x)]
         works = [exchange(group, send=x, dst=peer, recv=recv[i], src=peer, tag=i) for i in range(2)]
         works[0][1].wait()
-        result["first_recv_s"] = time.perf_counter() - t0
+        result["first_recv_at"] = time.perf_counter()
         works[1][1].wait()
-        result["second_recv_s"] = time.perf_counter() - t0
+        result["second_recv_at"] = time.perf_counter()
         for send, _ in works:
             send.wait()
         result["recv_ok"] = all(torch.equal(r, x) for r in recv)

@@ -69,10 +69,24 @@ def test_defaults_and_round_trip():
 
 def test_default_chunk_rule():
     config = OverlapConfig(tp="p2p")
-    assert chunks_per_rank(config, 2, 1024) == 8  # one per 128 tokens, at most 8
-    assert chunks_per_rank(config, 2, 256, batch=2) == 4
+    assert chunks_per_rank(config, 2, 1024) == 5  # one per 256 tokens plus one, at most 5
+    assert chunks_per_rank(config, 2, 256, batch=2) == 3
     assert chunks_per_rank(config, 8, 16) == 1
     assert chunks_per_rank(OverlapConfig(tp="p2p", tp_chunks=12), 4, 1024) == 3
+
+
+def test_pieces_cover_the_shard_exactly():
+    from megatron_overlap.comm.rings import split_pieces
+
+    for rows in (1, 2, 13, 100, 1024):
+        for chunks in (1, 2, 3, 5, 8):
+            for bidir in (False, True):
+                for taper in (False, True):
+                    pieces = split_pieces(rows, chunks, bidir, taper)
+                    covered = sorted(r for p in pieces for r in range(p.start, p.stop))
+                    assert covered == list(range(rows)), (rows, chunks, bidir, taper)
+                    assert all(p.rows > 0 and p.direction in (1, -1) for p in pieces)
+    assert [p.rows for p in split_pieces(1024, 5, taper=True)] == [128, 256, 256, 256, 128]
 
 
 # --------------------------------------------------------------------------- bad input

@@ -24,12 +24,14 @@ def add_mlp_args(parser: argparse.ArgumentParser):
     parser.add_argument("--overlap-tp-rs", dest="rs", choices=("ring", "a2a"), default=d.rs)
     parser.add_argument("--overlap-tp-bidirectional", dest="bidirectional", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--timeline", default="", metavar="PNG", help="draw the last round's timeline here")
 
 
 def mlp_main(args) -> int:
     fields = MLPBench.__dataclass_fields__
     cfg = MLPBench(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
-    result = run(cfg)
+    result = run(cfg, progress=not args.no_progress, timeline_png=args.timeline)
     print(format_table(result))
     if args.json:
         print(json.dumps(result))

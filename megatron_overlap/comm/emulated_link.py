@@ -9,8 +9,11 @@ egress port is free to start it, and waiting for it costs no CPU (the waiting th
   ``(R-1)`` shards, all-reduce ``2(R-1)/R`` of the buffer, all-to-all ``(R-1)/R``; it pays
   ``R-1`` latencies (``2(R-1)`` for all-reduce). Its real gloo op is issued at once; ``wait``
   returns once the real op is done *and* the emulated deadline has passed;
-- a P2P send is handed to the real backend only at its deadline (by a helper thread), so the
-  receiver sees the data exactly as late as the link would deliver it.
+- a P2P send is handed to the real backend at once; its deadline goes on a board in shared
+  memory (keyed by sender, receiver, tag and sequence number), and the receiver's ``wait``
+  returns only once that deadline has passed, so it sees the data exactly as late as the link
+  would deliver it. No helper thread and no extra message: on a busy CPU a thread wake-up or a
+  gloo message per send costs more than the sends being measured.
 
 It replaces the functions on ``torch.distributed`` and ``distributed_c10d`` and rebinds every
 module-level reference to them in Megatron's and in this plugin's modules (Megatron binds
@@ -24,8 +27,10 @@ CPU / gloo only: on GPU the real link is the one to measure.
 from __future__ import annotations
 
 import inspect
-import queue
+import mmap
+import os
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -108,16 +113,12 @@ class _EmuWork:
         self._deadline = deadline
         self._done = False
 
-    def _real_work(self):
-        return self._real
-
     def wait(self, timeout=None):
         if self._done:
             return True
         t0 = time.perf_counter()
-        real = self._real_work()
-        if real is not None:
-            real.wait() if timeout is None else real.wait(timeout)
+        if self._real is not None:
+            self._real.wait() if timeout is None else self._real.wait(timeout)
         left = self._deadline - time.perf_counter()
         if left > 0:
             time.sleep(left)
@@ -128,55 +129,138 @@ class _EmuWork:
     def is_completed(self):
         if self._done:
             return True
-        real = self._real_work()
-        return (real is None or real.is_completed()) and time.perf_counter() >= self._deadline
+        return (self._real is None or self._real.is_completed()) and time.perf_counter() >= self._deadline
 
     def is_success(self):
         return True
 
     def result(self):
-        real = self._real_work()
-        return real.result() if real is not None else []
+        return self._real.result() if self._real is not None else []
 
 
-class _DelayedSendWork(_EmuWork):
-    """A send whose real isend is issued by the link thread at the deadline."""
+class _RecvWork(_EmuWork):
+    """A receive whose deadline is read off the board once the data is there."""
 
-    def __init__(self, link, deadline, timeout_s):
-        super().__init__(link, None, deadline)
-        self._issued = threading.Event()
-        self._error: Optional[BaseException] = None
-        self._timeout_s = timeout_s
+    def __init__(self, link, real, key):
+        super().__init__(link, real, float("inf"))
+        self._key = key
 
-    def _set(self, real=None, error=None):
-        self._real, self._error = real, error
-        self._issued.set()
+    def _read_deadline(self):
+        if self._key is not None:
+            self._deadline = self._link._board.take(*self._key)
+            self._key = None
+
+    def wait(self, timeout=None):
+        if self._done:
+            return True
+        t0 = time.perf_counter()
+        self._real.wait() if timeout is None else self._real.wait(timeout)
+        self._read_deadline()
+        left = self._deadline - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        self._done = True
+        self._link._blocked(t0, time.perf_counter())
+        return True
 
     def is_completed(self):
-        return self._issued.is_set() and super().is_completed()
+        if self._done:
+            return True
+        if not self._real.is_completed():
+            return False
+        self._read_deadline()
+        return time.perf_counter() >= self._deadline
 
-    def _real_work(self):
-        if not self._issued.wait(self._timeout_s + max(0.0, self._deadline - time.perf_counter())):
-            raise TimeoutError("emulated link: a send was never issued (link thread stalled)")
-        if self._error is not None:
-            raise self._error
-        return self._real
+
+class _DeadlineBoard:
+    """Deadlines of P2P messages in flight, in a shared file mapping (/dev/shm), one hash table
+    per (src, dst).
+
+    The sender posts ``(tag, seq) -> deadline`` before it sends (``seq`` counts its messages to
+    that peer with that tag); the receiver, which counts the same way (gloo matches a peer's
+    messages of one tag in order), takes the entry once the data has arrived, so the entry is
+    always there by then.
+    """
+
+    SLOTS = 8192
+    EMPTY = -1
+
+    def __init__(self, world: int, path: Optional[str] = None):
+        size = world * world * self.SLOTS * 16
+        self.owner = path is None
+        if self.owner:
+            directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            fd, path = tempfile.mkstemp(prefix="megatron_overlap_link_", dir=directory)
+            os.ftruncate(fd, size)
+        else:
+            fd = os.open(path, os.O_RDWR)
+        self.path = path
+        self._mmap = mmap.mmap(fd, size)
+        os.close(fd)
+        self._view = memoryview(self._mmap)
+        self._halves = (self._view[: size // 2], self._view[size // 2 :])
+        self.keys = self._halves[0].cast("q")
+        self.values = self._halves[1].cast("d")
+        self.world = world
+        if self.owner:
+            for i in range(len(self.keys)):
+                self.keys[i] = self.EMPTY
+        self._sent: dict = defaultdict(int)
+        self._received: dict = defaultdict(int)
+
+    def _base(self, src: int, dst: int) -> int:
+        return (src * self.world + dst) * self.SLOTS
+
+    def post(self, src: int, dst: int, tag: int, deadline: float):
+        seq = self._sent[(dst, tag)]
+        self._sent[(dst, tag)] = seq + 1
+        key, base = (tag << 32) | seq, self._base(src, dst)
+        slot = hash(key) % self.SLOTS
+        for _ in range(self.SLOTS):
+            if self.keys[base + slot] == self.EMPTY:
+                self.values[base + slot] = deadline
+                self.keys[base + slot] = key  # written last: the entry is complete once seen
+                return
+            slot = (slot + 1) % self.SLOTS
+        raise RuntimeError("emulated link: more than 8192 messages in flight between two ranks")
+
+    def next_key(self, src: int, dst: int, tag: int) -> tuple:
+        seq = self._received[(src, tag)]
+        self._received[(src, tag)] = seq + 1
+        return (src, dst, tag, seq)
+
+    def take(self, src: int, dst: int, tag: int, seq: int) -> float:
+        key, base = (tag << 32) | seq, self._base(src, dst)
+        slot = hash(key) % self.SLOTS
+        for _ in range(self.SLOTS):
+            if self.keys[base + slot] == key:
+                deadline = self.values[base + slot]
+                self.keys[base + slot] = self.EMPTY
+                return deadline
+            slot = (slot + 1) % self.SLOTS
+        raise RuntimeError(f"emulated link: no deadline posted for message {seq} with tag {tag} from rank {src}")
+
+    def close(self):
+        for view in (self.keys, self.values, *self._halves, self._view):
+            view.release()
+        self._mmap.close()
+        if self.owner:
+            os.unlink(self.path)
 
 
 class EmulatedLink:
     """Install with ``with EmulatedLink(LinkSpec(...)) as link:``; see the module docstring."""
 
-    def __init__(self, spec: LinkSpec, record_spans: bool = False, timeout_s: float = 120.0):
+    def __init__(self, spec: LinkSpec, record_spans: bool = False):
         self.spec = spec
         self.record_spans = record_spans
-        self.timeout_s = timeout_s
         self.stats = LinkStats()
         self._free_at = 0.0
         self._originals: dict[str, Callable] = {}
         self._rebound: list = []
         self._local = threading.local()
-        self._queue: "queue.Queue" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
+        self._board: Optional[_DeadlineBoard] = None
+        self._rank = 0
 
     # ---------------------------------------------------------------- accounting
     def reset(self) -> LinkStats:
@@ -259,16 +343,13 @@ class EmulatedLink:
         return emulated
 
     def _wrap_isend(self, original: Callable) -> Callable:
-        signature = inspect.signature(original)
         link = self
 
-        def isend(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            tensor = bound.arguments["tensor"]
+        def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+            peer = dst if group_dst is None else dist.get_global_rank(group or dist.group.WORLD, group_dst)
             deadline = link._reserve("isend", tensor.nbytes, 1)
-            work = _DelayedSendWork(link, deadline, link.timeout_s)
-            link._queue.put((deadline, original, bound.args, bound.kwargs, work))
-            return work
+            link._board.post(link._rank, peer, tag, deadline)
+            return _EmuWork(link, original(tensor, dst, group, tag, group_dst), deadline)
 
         isend.__name__ = "isend"
         isend.__wrapped__ = original
@@ -277,31 +358,23 @@ class EmulatedLink:
     def _wrap_irecv(self, original: Callable) -> Callable:
         link = self
 
-        def irecv(*args, **kwargs):
-            return _EmuWork(link, original(*args, **kwargs), 0.0)
+        def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+            if src is None and group_src is None:
+                raise ValueError("emulated link: irecv needs an explicit source rank")
+            peer = src if group_src is None else dist.get_global_rank(group or dist.group.WORLD, group_src)
+            key = link._board.next_key(peer, link._rank, tag)
+            return _RecvWork(link, original(tensor, src, group, tag, group_src), key)
 
         irecv.__name__ = "irecv"
         irecv.__wrapped__ = original
         return irecv
 
-    def _sender(self):
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            deadline, original, args, kwargs, work = item
-            left = deadline - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
-            try:
-                work._set(real=original(*args, **kwargs))
-            except BaseException as exc:  # handed to the waiter, never lost
-                work._set(error=exc)
-
     # ---------------------------------------------------------------- install
     def install(self) -> "EmulatedLink":
+        """Replace the functions (a collective call: every rank of the default group installs)."""
         if self._originals:
             return self
+        self._open_board()
         wrappers: dict[int, Callable] = {}
         for name in _COLLECTIVES + _P2P:
             original = getattr(c10d, name, None)
@@ -327,19 +400,29 @@ class EmulatedLink:
                 if wrapper is not None:
                     self._rebound.append((module, attr, value))
                     setattr(module, attr, wrapper)
-        self._thread = threading.Thread(target=self._sender, name="emulated-link", daemon=True)
-        self._thread.start()
         return self
 
+    def _open_board(self):
+        self._rank = dist.get_rank()
+        paths = [None]
+        if self._rank == 0:
+            self._board = _DeadlineBoard(dist.get_world_size())
+            paths = [self._board.path]
+        dist.broadcast_object_list(paths, src=0)
+        if self._rank != 0:
+            self._board = _DeadlineBoard(dist.get_world_size(), path=paths[0])
+        dist.barrier()
+
     def uninstall(self):
+        """Restore the functions (a collective call, like install)."""
+        if self._board is not None:
+            dist.barrier()
+            self._board.close()
+            self._board = None
         for module, attr, original in reversed(self._rebound):
             setattr(module, attr, original)
         self._rebound.clear()
         self._originals.clear()
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=self.timeout_s)
-            self._thread = None
 
     def __enter__(self) -> "EmulatedLink":
         return self.install()

@@ -34,6 +34,8 @@ from .p2p import exchange
 # shape [piece.stop - piece.start, *rest]; when ``out`` is given the result is written there.
 PartialFn = Callable[[int, "Piece", Optional[torch.Tensor]], torch.Tensor]
 
+# Each stream (tag 1, 2, ...) owns 2**16 tags. Gloo matches P2P tags on their low 24 bits
+# only, so every tag used here stays below 2**23 (the emulated link uses the bit above).
 _TAG_STRIDE = 1 << 16
 
 
@@ -50,22 +52,31 @@ class Piece:
         return self.stop - self.start
 
 
-def split_pieces(rows: int, chunks: int, bidirectional: bool = False) -> tuple[Piece, ...]:
-    """Cut ``rows`` into ``chunks`` near-equal chunks (sizes differ by at most one, like
-    ``torch.tensor_split``), halve each when ``bidirectional``, and drop empty pieces."""
+def split_pieces(rows: int, chunks: int, bidirectional: bool = False, taper: bool = False) -> tuple[Piece, ...]:
+    """Cut ``rows`` into ``chunks`` chunks, halve each when ``bidirectional``, drop empty ones.
+
+    Uniform chunks differ by at most one row (like ``torch.tensor_split``). ``taper`` makes
+    the first and last chunk half the size of the others (weights 1, 2, ..., 2, 1): only those
+    two sit on the critical path of a ring (the first partial before anything can be sent, the
+    last piece's GEMM after everything has arrived), so they can be short while the middle
+    chunks stay large and run at full GEMM speed.
+    """
     if rows < 0 or chunks < 1:
         raise ValueError(f"split_pieces needs rows >= 0 and chunks >= 1, got {rows}, {chunks}")
-    base, extra = divmod(rows, chunks)
+    weights = [1] + [2] * (chunks - 2) + [1] if taper and chunks > 2 else [1] * chunks
+    total = sum(weights)
+    bounds = [0]
+    acc = 0
+    for w in weights:
+        acc += w
+        bounds.append((rows * acc) // total)  # near-proportional, monotone, ends at rows
     pieces = []
-    start = 0
-    for c in range(chunks):
-        stop = start + base + (1 if c < extra else 0)
+    for start, stop in zip(bounds, bounds[1:]):
         if bidirectional:
             mid = start + (stop - start + 1) // 2
             pieces += [Piece(start, mid, 1), Piece(mid, stop, -1)]
         else:
             pieces.append(Piece(start, stop, 1))
-        start = stop
     return tuple(p for p in pieces if p.rows > 0)
 
 
@@ -77,6 +88,8 @@ class _RingBase:
         self.pieces = tuple(pieces)
         self.shard_rows = shard_rows
         self.tag = tag * _TAG_STRIDE
+        if self.size * len(self.pieces) > _TAG_STRIDE:
+            raise ValueError(f"{self.size} ranks x {len(self.pieces)} pieces exceed the {_TAG_STRIDE} tags of a ring")
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def _peer(self, offset: int) -> int:
@@ -99,9 +112,10 @@ class _RingBase:
 class RingAllGather(_RingBase):
     """Gather ``x_shard [s, *rest]`` of every rank into ``gathered [R*s, *rest]`` piece by piece.
 
-    ``take(step, k)`` returns ``(owner, rows, tensor)`` for piece k at ring step ``step`` —
+    ``own()`` gives this rank's rows and shard (step 0, local: one GEMM for all of it);
+    ``take(step, k)`` returns ``(owner, rows, tensor)`` for piece k at ring step ``step >= 1`` —
     waiting for it if needed and forwarding it before returning, so the caller's GEMM on it
-    overlaps the next hop. Call ``take`` for every (step, k) in order, then ``finish``.
+    overlaps the next hop. Call ``take`` for every (step >= 1, k) in order, then ``finish``.
     ``copy_own`` also copies this rank's shard into ``gathered`` (for callers that keep it).
     """
 
@@ -127,6 +141,9 @@ class RingAllGather(_RingBase):
     def owner(self, step: int, piece: Piece) -> int:
         return self._peer(-piece.direction * step)
 
+    def own(self) -> tuple[slice, torch.Tensor]:
+        return slice(self.rank * self.shard_rows, (self.rank + 1) * self.shard_rows), self.x_shard
+
     def _forward(self, step: int, k: int, tensor: torch.Tensor):
         if step >= self.size - 1:
             return
@@ -149,10 +166,10 @@ class RingAllGather(_RingBase):
         rows = self.rows_of(owner, piece)
         if step == 0:
             return owner, rows, self.x_shard[piece.start : piece.stop]
+        self._pump()
         if (step, k) in self._recvs:
             self._recvs.pop((step, k)).wait()
             self._forward(step, k, self.gathered[rows])
-        self._pump()
         return owner, rows, self.gathered[rows]
 
     def _pump(self):
@@ -178,10 +195,11 @@ class RingAllGather(_RingBase):
 class RingReduceScatter(_RingBase):
     """``out_shard [s, *rest]`` = sum over ranks of their partials for this rank's rows.
 
-    ``run(step, k)`` computes this rank's partial for the destination of piece k at ``step``,
-    adds the running sum that arrived from the previous rank, and passes it on. The last step
-    (own rows) is computed into ``out_shard`` but its receive is added in ``finish``, so the
-    caller can overlap other work (e.g. the wgrad GEMM) with the last hop.
+    ``run(step, k)`` (steps 0 .. R-2) computes this rank's partial for the destination of
+    piece k at ``step``, adds the running sum that arrived from the previous rank, and passes it
+    on. ``run_own()`` computes the partial for this rank's own rows in one GEMM into
+    ``out_shard``; ``finish`` adds what arrived, so the caller can overlap other work (e.g. the
+    wgrad GEMM) with the last hop.
     """
 
     def __init__(
@@ -196,20 +214,14 @@ class RingReduceScatter(_RingBase):
         self.out = out_shard
         self.partial = partial
         self._recvs: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}
-        self._final: list[int] = []
+        self._own_done = False
 
     def dest(self, step: int, piece: Piece) -> int:
         return self._peer(-piece.direction * (step + 1))
 
     def run(self, step: int, k: int):
         piece = self.pieces[k]
-        last = step == self.size - 1
-        out_view = self.out[piece.start : piece.stop] if last else None
-        acc = self.partial(self.dest(step, piece), piece, out_view)
-        if last:
-            if self.size > 1:
-                self._final.append(k)
-            return
+        acc = self.partial(self.dest(step, piece), piece, None)
         if step > 0:
             work, buf = self._recvs.pop((step, k))
             work.wait()
@@ -226,14 +238,19 @@ class RingReduceScatter(_RingBase):
         self._sends.append((send, acc))
         self._recvs[(step + 1, k)] = (recv, nxt)
 
+    def run_own(self):
+        self.partial(self.rank, Piece(0, self.shard_rows), self.out)
+        self._own_done = True
+
     def finish(self) -> torch.Tensor:
+        if not self._own_done:
+            raise RuntimeError("RingReduceScatter.finish before run_own")
         last = self.size - 1
-        for k in self._final:
-            piece = self.pieces[k]
-            work, buf = self._recvs.pop((last, k))
-            work.wait()
-            self.out[piece.start : piece.stop].add_(buf)
-        self._final.clear()
+        for k, piece in enumerate(self.pieces):
+            if (last, k) in self._recvs:
+                work, buf = self._recvs.pop((last, k))
+                work.wait()
+                self.out[piece.start : piece.stop].add_(buf)
         if self._recvs:
             raise RuntimeError(f"RingReduceScatter finished with steps never run: {sorted(self._recvs)}")
         self._wait_sends()
@@ -244,8 +261,8 @@ class A2AReduceScatter(_RingBase):
     """Reduce-scatter as all-to-all plus a local reduce.
 
     At step i < R-1 the partial for rank ``r + d*(i+1)`` goes straight to it, while the partial
-    of rank ``r - d*(i+1)`` for our rows arrives; at step R-1 the own partial is computed into
-    ``out_shard`` and ``finish`` adds the R-1 received partials in step order.
+    of rank ``r - d*(i+1)`` for our rows arrives; ``run_own`` computes the own partial into
+    ``out_shard`` in one GEMM and ``finish`` adds the R-1 received partials in step order.
     """
 
     def __init__(
@@ -260,14 +277,10 @@ class A2AReduceScatter(_RingBase):
         self.out = out_shard
         self.partial = partial
         self._recvs: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {}
-        self._final: list[int] = []
+        self._own_done = False
 
     def run(self, step: int, k: int):
         piece = self.pieces[k]
-        if step == self.size - 1:
-            self.partial(self.rank, piece, self.out[piece.start : piece.stop])
-            self._final.append(k)
-            return
         offset = piece.direction * (step + 1)
         acc = self.partial(self._peer(offset), piece, None)
         buf = torch.empty_like(acc)
@@ -278,16 +291,18 @@ class A2AReduceScatter(_RingBase):
         self._sends.append((send, acc))
         self._recvs.setdefault(k, []).append((recv, buf))
 
+    def run_own(self):
+        self.partial(self.rank, Piece(0, self.shard_rows), self.out)
+        self._own_done = True
+
     def finish(self) -> torch.Tensor:
-        for k in self._final:
-            piece = self.pieces[k]
+        if not self._own_done:
+            raise RuntimeError("A2AReduceScatter.finish before run_own")
+        for k, piece in enumerate(self.pieces):
             view = self.out[piece.start : piece.stop]
             for work, buf in self._recvs.pop(k, []):
                 work.wait()
                 view.add_(buf)
-        self._final.clear()
-        if self._recvs:
-            raise RuntimeError(f"A2AReduceScatter finished with pieces never reduced: {sorted(self._recvs)}")
         self._wait_sends()
         return self.out
 

@@ -36,7 +36,9 @@ def ag_gemm(
     gathered = torch.empty((rows * size, *x_shard.shape[1:]), dtype=x_shard.dtype, device=x_shard.device)
     ring = RingAllGather(x_shard, gathered, group, pieces, tag=1)
     wt = weight.t()
-    for step in range(size):
+    own_rows, own = ring.own()
+    torch.matmul(own, wt, out=out[own_rows])  # the local shard in one GEMM while pieces travel
+    for step in range(1, size):
         for k in range(len(ring.pieces)):
             _owner, out_rows, piece = ring.take(step, k)
             torch.matmul(piece, wt, out=out[out_rows])

@@ -48,9 +48,10 @@ def gemm_rs(
     shard_rows = x.shape[0] // size
     out = torch.empty((shard_rows, *x.shape[1:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
     rs = make_reduce_scatter(algo, out, group, pieces, row_partial(x, weight.t(), shard_rows))
-    for step in range(size):
+    for step in range(size - 1):
         for k in range(len(rs.pieces)):
             rs.run(step, k)
+    rs.run_own()  # own rows in one GEMM while the last partials travel
     return rs.finish()
 
 

@@ -15,9 +15,9 @@ Row (weight ``w [n, k]``, this rank's k = K / R input rows)
 
 The wgrad GEMMs stay whole, so they give the same bits as stock Megatron's. A Row linear's
 backward also starts, once its own ring has been issued, the re-gather of the input of the
-Column linear that ran just before it in forward (fc1 before fc2, qkv before proj): that
-gather then travels during the Row's wgrad and the ops between the two, instead of during the
-Column's dgrad where the link is already busy with the reduce-scatter.
+Column linear that ran just before it in forward (fc1 before fc2, qkv before proj): half of
+that gather then travels during the Row's wgrad and the ops between the two, the other half
+during the Column's dgrad, so neither backward has more to send than it has to compute.
 """
 
 from __future__ import annotations
@@ -40,29 +40,55 @@ _custom_bwd = torch.amp.custom_bwd(device_type="cuda")
 
 
 class GatherSlot:
-    """The all-gather of a Column linear's input shard for its wgrad, startable early."""
+    """The all-gather of a Column linear's input shard ``x [s, ...]`` for its wgrad, in up to
+    two async collectives: rows ``[0, s_early)`` of every rank, startable early (by the Row
+    linear whose backward runs just before), and the rest, started by the Column backward.
 
-    def __init__(self, x_shard: torch.Tensor, group: dist.ProcessGroup):
-        self._x_shard = x_shard
+    Splitting balances the link: the Row backward carries the all-gather of its grad-output
+    and the early part, the Column backward its reduce-scatter and the rest; with the whole
+    gather on either side that side's link time would exceed its compute.
+    """
+
+    def __init__(self, x_shard: torch.Tensor, group: dist.ProcessGroup, early_fraction: float):
+        self._x = x_shard
         self._group = group
-        self._buf: Optional[torch.Tensor] = None
-        self._work = None
-        self.started_early = False
+        self._early_rows = int(round(x_shard.shape[0] * early_fraction))
+        self._parts: list = []  # (first row, rows, buffer [R, rows, ...], work)
 
-    def start(self, early: bool = False):
-        if self._buf is not None or self._x_shard is None:
+    def _gather(self, first: int, rows: int):
+        if rows == 0:
             return
+        x = self._x[first : first + rows].contiguous()
         size = dist.get_world_size(self._group)
-        x = self._x_shard.contiguous()
-        self._buf = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        self._work = all_gather_into(self._buf, x, self._group, async_op=True)
-        self.started_early = early
+        buf = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
+        work = all_gather_into(buf.view(size * rows, *x.shape[1:]), x, self._group, async_op=True)
+        self._parts.append((first, rows, buf, work))
+
+    def start_early(self):
+        if self._x is not None and not self._parts and self._early_rows < self._x.shape[0]:
+            self._gather(0, self._early_rows)
+
+    def start(self):
+        if self._x is None:
+            return
+        done = sum(rows for _, rows, _, _ in self._parts)
+        self._gather(done, self._x.shape[0] - done)
 
     def take(self) -> torch.Tensor:
+        """The gathered input ``[R*s, ...]`` in rank order, exactly as one all-gather gives it."""
         self.start()
-        self._work.wait()
-        buf, self._buf, self._work, self._x_shard = self._buf, None, None, None
-        return buf
+        x, parts = self._x, self._parts
+        self._x, self._parts = None, []
+        size = dist.get_world_size(self._group)
+        if len(parts) == 1:
+            _, _, buf, work = parts[0]
+            work.wait()
+            return buf.view(size * x.shape[0], *x.shape[1:])
+        full = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
+        for first, rows, buf, work in parts:
+            work.wait()
+            full[:, first : first + rows].copy_(buf)
+        return full.view(size * x.shape[0], *x.shape[1:])
 
 
 @dataclass
@@ -90,6 +116,7 @@ class TPPlan:
     pieces: tuple[Piece, ...]
     rs_algo: str = "ring"
     prefetch: Optional[PrefetchRegistry] = None
+    prefetch_fraction: float = 0.5  # of the wgrad input's rows gathered during the Row backward
 
 
 class ColumnParallelSP(torch.autograd.Function):
@@ -117,7 +144,7 @@ class ColumnParallelSP(torch.autograd.Function):
         ctx.wgrad_deferral_limit = wgrad_deferral_limit
         ctx.group = group
         ctx.plan = plan
-        ctx.slot = GatherSlot(input, group)
+        ctx.slot = GatherSlot(input, group, plan.prefetch_fraction if plan.prefetch is not None else 0.0)
         if plan.prefetch is not None:
             plan.prefetch.offer(group, ctx.slot)
         return ag_gemm(input, weight, group, plan.pieces, bias)
@@ -147,9 +174,10 @@ class ColumnParallelSP(torch.autograd.Function):
         rs = make_reduce_scatter(
             plan.rs_algo, grad_input, group, plan.pieces, row_partial(grad_output, weight, shard_rows)
         )
-        for step in range(dist.get_world_size(group)):
+        for step in range(dist.get_world_size(group) - 1):
             for k in range(len(rs.pieces)):
                 rs.run(step, k)
+        rs.run_own()
 
         if wgrad_compute:
             grad_output, total_input = as_2d(grad_output, slot.take())
@@ -202,13 +230,15 @@ class RowParallelSP(torch.autograd.Function):
         )
         ring = RingAllGather(grad_output, gathered, group, plan.pieces, tag=4, copy_own=True)
         grad_input = torch.empty_like(input)
-        for step in range(size):
+        own_rows, own = ring.own()
+        torch.matmul(own, weight, out=grad_input[own_rows])
+        for step in range(1, size):
             for k in range(len(ring.pieces)):
                 _owner, rows, piece = ring.take(step, k)
                 torch.matmul(piece, weight, out=grad_input[rows])
         slot, ctx.prefetch_slot = ctx.prefetch_slot, None
         if slot is not None:
-            slot.start(early=True)
+            slot.start_early()
         grad_2d, input_2d = as_2d(gathered, input)
         grad_weight = weight_gradient(
             weight, grad_2d, input_2d, ctx.gradient_accumulation_fusion, input
