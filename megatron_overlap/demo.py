@@ -35,7 +35,7 @@ class DemoConfig:
     kv_heads: int = 2
     seq: int = 1024
     micro_batch: int = 1
-    vocab: int = 4096
+    vocab: int = 512
     lr: float = 0.05
     bandwidth_GBps: float = 0.0  # 0: calibrate (TP transfer time = comm_ratio x GEMM time)
     comm_ratio: float = 1.0
@@ -123,11 +123,9 @@ class _Session:
         layer.register_forward_hook(post)
 
     def _calibrate(self, free_spec):
-        """Count the bytes of one step on a free link and profile the time of its GEMMs
-        (aten::mm / addmm: the linears, around which the TP communication sits); the link is
-        set so those bytes take ``comm_ratio`` x that GEMM time. Every rank gets the same link."""
-        from torch.profiler import ProfilerActivity, profile
-
+        """Count the bytes of one step on a free link and time its GEMMs (the linears, around
+        which the TP communication sits); the link is set so those bytes take ``comm_ratio`` x
+        that GEMM time. Every rank gets the same link."""
         from .comm.emulated_link import EmulatedLink, LinkSpec
         from .testing import tiny_gpt
 
@@ -135,14 +133,12 @@ class _Session:
             tiny_gpt.train_step(self.models["calibration"], self.spec, 0, lr=self.cfg.lr)  # warm
             probe.reset()
             dist.barrier()
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with _timed_matmuls() as gemm:
                 tiny_gpt.train_step(self.models["calibration"], self.spec, 1, lr=self.cfg.lr)
             nbytes = probe.reset().total_bytes
-        gemm_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
-        volume = torch.tensor([float(nbytes), gemm_us * 1e-6])
+        volume = torch.tensor([float(nbytes), gemm.seconds])
         dist.all_reduce(volume, op=dist.ReduceOp.MAX)
-        self.gemm_s = volume[1].item()
-        bandwidth = volume[0].item() / (self.gemm_s * self.cfg.comm_ratio) / 1e9
+        bandwidth = volume[0].item() / (volume[1].item() * self.cfg.comm_ratio) / 1e9
         return LinkSpec(bandwidth_GBps=bandwidth, latency_us=self.cfg.latency_us)
 
     def step(self, index: int, record: bool) -> dict:
@@ -175,6 +171,32 @@ class _Session:
 
     def close(self):
         self.link.uninstall()
+
+
+class _timed_matmuls:
+    """Sum the time spent in ``torch.matmul`` / ``Tensor.matmul`` (every GEMM of Megatron's
+    linears, forward and backward, and of ours) while the block runs."""
+
+    def __enter__(self):
+        self.seconds = 0.0
+        self._saved = (torch.matmul, torch.Tensor.matmul)
+
+        def timed(fn):
+            def wrapper(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - t0
+
+            return wrapper
+
+        torch.matmul = timed(self._saved[0])
+        torch.Tensor.matmul = timed(self._saved[1])
+        return self
+
+    def __exit__(self, *exc):
+        torch.matmul, torch.Tensor.matmul = self._saved
 
 
 _session: Optional[_Session] = None  # rank-side state of the demo process, not of the plugin

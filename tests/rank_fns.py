@@ -62,13 +62,14 @@ def ring_ops_vs_reference(seed: int) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- Megatron layers
-def _layers(tp: int, fusion: bool, defer: bool = False):
+def _layers(tp: int, fusion: bool, defer: bool = False, dtype=torch.float32):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     from megatron_overlap.testing import tiny_gpt
 
     spec = tiny_gpt.TinyGPT(hidden=96, ffn=200, heads=8, kv_heads=2)
-    overrides = dict(add_bias_linear=True, gradient_accumulation_fusion=fusion)
+    overrides = dict(add_bias_linear=True, gradient_accumulation_fusion=fusion, params_dtype=dtype,
+                     bf16=dtype == torch.bfloat16)
     if defer:
         overrides.update(defer_embedding_wgrad_compute=True, wgrad_deferral_limit=0)
     config = tiny_gpt.transformer_config(spec, tp, **overrides)
@@ -85,12 +86,12 @@ def _layers(tp: int, fusion: bool, defer: bool = False):
 
 
 def _run_layer(layer, x, dy, fusion: bool):
-    """fwd+bwd of one layer; returns output and grads (main_grad under fusion)."""
+    """fwd+bwd of one layer; returns output and grads (main_grad under fusion, fp32 as DDP's)."""
     x = x.clone().requires_grad_()
     for p in layer.parameters():
         p.grad = None
         if fusion:
-            p.main_grad = torch.zeros_like(p)
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
             p.grad_added_to_main_grad = False
     out, _ = layer(x)
     out.backward(dy)
@@ -104,12 +105,12 @@ def _run_layer(layer, x, dy, fusion: bool):
     return grads
 
 
-def layer_parity(tp: int, fusion: bool, seed: int) -> list[dict]:
+def layer_parity(tp: int, fusion: bool, seed: int, dtype=torch.float32) -> list[dict]:
     """Stock Megatron Column/Row linears vs the patched ones, every flag combination."""
     from megatron_overlap.testing import tiny_gpt
 
     tiny_gpt.init_parallel(tp, seed=seed)
-    config, layers = _layers(tp, fusion)
+    config, layers = _layers(tp, fusion, dtype=dtype)
     gen = torch.Generator().manual_seed(seed * 7 + dist.get_rank())
     s, b = 13, 3  # rows per rank: odd, so chunks of 2*TP are uneven
     rows = []
@@ -117,10 +118,10 @@ def layer_parity(tp: int, fusion: bool, seed: int) -> list[dict]:
         column = "column" in name
         in_rows = s if column else s * tp
         in_dim = layer.input_size_per_partition if not column else layer.input_size
-        x = torch.randn(in_rows, b, in_dim, generator=gen)
+        x = torch.randn(in_rows, b, in_dim, generator=gen).to(dtype)
         out_rows = s * tp if column else s
         out_dim = layer.output_size_per_partition if column else layer.output_size
-        dy = torch.randn(out_rows, b, out_dim, generator=gen)
+        dy = torch.randn(out_rows, b, out_dim, generator=gen).to(dtype)
         _install([])
         stock = _run_layer(layer, x, dy, fusion)
         for rs, bidir, mult in itertools.product(("ring", "a2a"), (False, True), (1, 2)):

@@ -131,7 +131,7 @@ def batch(spec: TinyGPT, step: int, seed: int = 7):
     dp_rank = parallel_state.get_data_parallel_rank()
     gen = torch.Generator().manual_seed(seed * 100003 + step * 101 + dp_rank)
     start = torch.randint(0, spec.vocab, (spec.micro_batch, 1), generator=gen)
-    stride = torch.randint(1, 7, (spec.micro_batch, 1), generator=gen)
+    stride = 1 + start % 2  # next = previous + 1 or + 2 (the parity of the first token says which)
     pos = torch.arange(spec.seq + 1)
     seq = (start + stride * pos) % spec.vocab
     noise = torch.rand(seq.shape, generator=gen) < 0.1
