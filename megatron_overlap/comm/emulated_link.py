@@ -119,6 +119,7 @@ class _EmuWork:
         t0 = time.perf_counter()
         if self._real is not None:
             self._real.wait() if timeout is None else self._real.wait(timeout)
+        self._arrived()
         left = self._deadline - time.perf_counter()
         if left > 0:
             time.sleep(left)
@@ -126,10 +127,16 @@ class _EmuWork:
         self._link._blocked(t0, time.perf_counter())
         return True
 
+    def _arrived(self):
+        """Called once the real operation is done (a receive learns its deadline here)."""
+
     def is_completed(self):
         if self._done:
             return True
-        return (self._real is None or self._real.is_completed()) and time.perf_counter() >= self._deadline
+        if self._real is not None and not self._real.is_completed():
+            return False
+        self._arrived()
+        return time.perf_counter() >= self._deadline
 
     def is_success(self):
         return True
@@ -145,31 +152,10 @@ class _RecvWork(_EmuWork):
         super().__init__(link, real, float("inf"))
         self._key = key
 
-    def _read_deadline(self):
+    def _arrived(self):
         if self._key is not None:
             self._deadline = self._link._board.take(*self._key)
             self._key = None
-
-    def wait(self, timeout=None):
-        if self._done:
-            return True
-        t0 = time.perf_counter()
-        self._real.wait() if timeout is None else self._real.wait(timeout)
-        self._read_deadline()
-        left = self._deadline - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-        self._done = True
-        self._link._blocked(t0, time.perf_counter())
-        return True
-
-    def is_completed(self):
-        if self._done:
-            return True
-        if not self._real.is_completed():
-            return False
-        self._read_deadline()
-        return time.perf_counter() >= self._deadline
 
 
 class _DeadlineBoard:

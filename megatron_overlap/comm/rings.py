@@ -192,7 +192,25 @@ class RingAllGather(_RingBase):
         self._wait_sends()
 
 
-class RingReduceScatter(_RingBase):
+class _ReduceScatterBase(_RingBase):
+    def __init__(self, out_shard: torch.Tensor, group, pieces: Sequence[Piece], partial: PartialFn, tag: int):
+        super().__init__(group, pieces, out_shard.shape[0], tag)
+        self.out = out_shard
+        self.partial = partial
+        self._recvs: dict = {}
+        self._own_done = False
+
+    def run_own(self):
+        """This rank's partial for its own rows, in one GEMM, into ``out_shard``."""
+        self.partial(self.rank, Piece(0, self.shard_rows), self.out)
+        self._own_done = True
+
+    def _check_finish(self):
+        if not self._own_done:
+            raise RuntimeError(f"{type(self).__name__}.finish before run_own")
+
+
+class RingReduceScatter(_ReduceScatterBase):
     """``out_shard [s, *rest]`` = sum over ranks of their partials for this rank's rows.
 
     ``run(step, k)`` (steps 0 .. R-2) computes this rank's partial for the destination of
@@ -210,11 +228,7 @@ class RingReduceScatter(_RingBase):
         partial: PartialFn,
         tag: int = 2,
     ):
-        super().__init__(group, pieces, out_shard.shape[0], tag)
-        self.out = out_shard
-        self.partial = partial
-        self._recvs: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}
-        self._own_done = False
+        super().__init__(out_shard, group, pieces, partial, tag)
 
     def dest(self, step: int, piece: Piece) -> int:
         return self._peer(-piece.direction * (step + 1))
@@ -238,13 +252,8 @@ class RingReduceScatter(_RingBase):
         self._sends.append((send, acc))
         self._recvs[(step + 1, k)] = (recv, nxt)
 
-    def run_own(self):
-        self.partial(self.rank, Piece(0, self.shard_rows), self.out)
-        self._own_done = True
-
     def finish(self) -> torch.Tensor:
-        if not self._own_done:
-            raise RuntimeError("RingReduceScatter.finish before run_own")
+        self._check_finish()
         last = self.size - 1
         for k, piece in enumerate(self.pieces):
             if (last, k) in self._recvs:
@@ -257,7 +266,7 @@ class RingReduceScatter(_RingBase):
         return self.out
 
 
-class A2AReduceScatter(_RingBase):
+class A2AReduceScatter(_ReduceScatterBase):
     """Reduce-scatter as all-to-all plus a local reduce.
 
     At step i < R-1 the partial for rank ``r + d*(i+1)`` goes straight to it, while the partial
@@ -273,11 +282,7 @@ class A2AReduceScatter(_RingBase):
         partial: PartialFn,
         tag: int = 3,
     ):
-        super().__init__(group, pieces, out_shard.shape[0], tag)
-        self.out = out_shard
-        self.partial = partial
-        self._recvs: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {}
-        self._own_done = False
+        super().__init__(out_shard, group, pieces, partial, tag)
 
     def run(self, step: int, k: int):
         piece = self.pieces[k]
@@ -291,13 +296,8 @@ class A2AReduceScatter(_RingBase):
         self._sends.append((send, acc))
         self._recvs.setdefault(k, []).append((recv, buf))
 
-    def run_own(self):
-        self.partial(self.rank, Piece(0, self.shard_rows), self.out)
-        self._own_done = True
-
     def finish(self) -> torch.Tensor:
-        if not self._own_done:
-            raise RuntimeError("A2AReduceScatter.finish before run_own")
+        self._check_finish()
         for k, piece in enumerate(self.pieces):
             view = self.out[piece.start : piece.stop]
             for work, buf in self._recvs.pop(k, []):
