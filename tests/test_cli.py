@@ -146,3 +146,14 @@ def test_demo_end_to_end(tmp_path):
     png = tmp_path / "timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "loss stock" in out.stdout and "hidden" in out.stdout
+
+
+def test_bench_mlp_smoke():
+    out = cli("bench", "mlp", "--hidden", "64", "--ffn", "128", "--seq", "64", "--steps", "1",
+              "--warmup", "1", "--no-progress", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["max_rel_diff_vs_stock"] <= 1e-6
+    assert result["overlap"]["bytes_per_step"] == result["stock"]["bytes_per_step"] > 0
+    assert {"limit_ms", "speedup", "overlap_vs_limit"} <= set(result)
+    assert "x limit" in out.stdout
