@@ -45,8 +45,9 @@ def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default="off",
         help="Overlap the sequence-parallel all-gather/reduce-scatter of Megatron's "
         "ColumnParallelLinear/RowParallelLinear with their GEMMs. off: stock Megatron; "
-        "p2p: chunked point-to-point rings (any backend); auto: the best available. "
-        "Needs --sequence-parallel and --transformer-impl local.",
+        "p2p: chunked point-to-point rings (any device and backend); symm-mem: PyTorch's "
+        "symmetric-memory fused ops (CUDA); fused: our Triton kernels; auto: symm-mem where it "
+        "runs, else p2p. Needs --sequence-parallel and --transformer-impl local.",
     )
     # None defaults: lets the config tell "given with overlap off" (a conflict) from "not given".
     group.add_argument(
@@ -61,8 +62,8 @@ def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--overlap-tp-rs",
         choices=RS_ALGOS,
         default=None,
-        help="Reduce-scatter after a GEMM as a ring of partial sums (ring, default) or as "
-        "all-to-all plus a local reduce (a2a).",
+        help="Reduce-scatter after a GEMM as a ring of partial sums (ring, default for p2p) or "
+        "as all-to-all plus a local reduce (a2a, the only one of --overlap-tp fused).",
     )
     group.add_argument(
         "--overlap-tp-bidirectional",

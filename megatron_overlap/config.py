@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from .errors import OverlapConfigError
 
-TP_MODES = ("off", "p2p", "auto")
+TP_MODES = ("off", "p2p", "symm-mem", "fused", "auto")
 RS_ALGOS = ("ring", "a2a")
 
 # Flags that only mean something when --overlap-tp is on. Their argparse default is None so
@@ -33,7 +33,8 @@ class OverlapConfig:
 
     tp: str = "off"
     """TP+SP overlap backend: ``off`` (stock Megatron), ``p2p`` (chunked P2P rings, any
-    backend), ``auto`` (the best one available; today that is ``p2p``)."""
+    device and backend), ``symm-mem`` (PyTorch's symmetric-memory fused ops, CUDA), ``fused``
+    (our Triton kernels), ``auto`` (``symm-mem`` where it runs, else ``p2p``)."""
 
     tp_chunks: int = 0
     """Chunks each overlapped all-gather / reduce-scatter is cut into along the sequence,
@@ -68,6 +69,20 @@ class OverlapConfig:
                 f"must be 0 (choose automatically) or a positive multiple of the TP size, "
                 f"got {self.tp_chunks}",
             )
+        if self.tp == "symm-mem":
+            given = sorted(_TP_DEPENDENT[name] for name in self.explicit if name in _TP_DEPENDENT)
+            if given:
+                raise OverlapConfigError(
+                    given[0],
+                    "--overlap-tp symm-mem runs PyTorch's fused ops, which choose their own "
+                    f"chunking and reduce-scatter; drop {', '.join(given)} or use --overlap-tp p2p",
+                )
+        if self.tp == "fused" and "overlap_tp_rs" in self.explicit and self.tp_rs != "a2a":
+            raise OverlapConfigError(
+                "--overlap-tp-rs",
+                "the fused backend reduce-scatters as all-to-all + local reduce (a2a); drop "
+                "--overlap-tp-rs ring, or use --overlap-tp p2p for a ring",
+            )
         if self.tp == "off":
             given = sorted(_TP_DEPENDENT[name] for name in self.explicit if name in _TP_DEPENDENT)
             if given:
@@ -82,15 +97,17 @@ class OverlapConfig:
         return self.tp != "off"
 
     @property
-    def backend(self) -> str:
-        """The backend ``auto`` resolves to. Only ``p2p`` exists so far."""
-        return "p2p" if self.tp == "auto" else self.tp
+    def rs_algo(self) -> str:
+        """The reduce-scatter algorithm in force (the fused backend's is always a2a)."""
+        return "a2a" if self.tp == "fused" else self.tp_rs
 
     def as_flags(self) -> list[str]:
         """The command-line flags that reproduce this config."""
         flags = ["--overlap-tp", self.tp]
         if self.enabled:
-            flags += ["--overlap-tp-chunks", str(self.tp_chunks), "--overlap-tp-rs", self.tp_rs]
+            if self.tp == "symm-mem":
+                return flags
+            flags += ["--overlap-tp-chunks", str(self.tp_chunks), "--overlap-tp-rs", self.rs_algo]
             if self.tp_bidirectional:
                 flags.append("--overlap-tp-bidirectional")
         return flags

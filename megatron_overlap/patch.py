@@ -29,6 +29,7 @@ from . import compat
 from .comm.rings import split_pieces
 from .config import ModelContext, OverlapConfig, check_model, chunks_per_rank, tp_overlap_applies
 from .errors import OverlapConfigError
+from .ops.backends import P2PBackend, TPBackend, refuse
 from .ops.linear import ColumnParallelSP, PrefetchRegistry, RowParallelSP, TPPlan
 
 logger = logging.getLogger("megatron_overlap")
@@ -58,6 +59,7 @@ class Installation:
     plans: dict = field(default_factory=dict)
     prefetch: PrefetchRegistry = field(default_factory=PrefetchRegistry)
     noticed: set = field(default_factory=set)
+    backend: TPBackend = field(default_factory=P2PBackend)
 
     def notice_once(self, key: str, message: str):
         if key not in self.noticed:
@@ -68,13 +70,16 @@ class Installation:
         self.originals.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
         setattr(owner, name, value)
 
-    def plan_for(self, group: dist.ProcessGroup, shard_rows: int, batch: int) -> TPPlan:
-        """The plan of a layer whose TP group is ``group`` and whose shard is
-        ``[shard_rows, batch, ...]``; checks the model settings the first time a shape is seen."""
+    def plan_for(self, group: dist.ProcessGroup, shard_rows: int, x: torch.Tensor) -> TPPlan:
+        """The plan of a layer whose TP group is ``group`` and whose shard has ``shard_rows``
+        sequence rows (``x`` is its input); checks the model settings and the backend the first
+        time a shape, dtype and device are seen."""
         size = group.size()
-        key = (id(group), size, shard_rows, batch)
+        batch = _batch(x)
+        key = (id(group), size, shard_rows, batch, x.dtype, x.device)
         plan = self.plans.get(key)
         if plan is None:
+            self.backend.check(x)
             check_model(
                 self.config,
                 ModelContext(tp_size=size, sequence_parallel=True, seq_length=shard_rows * size),
@@ -83,8 +88,9 @@ class Installation:
             plan = TPPlan(
                 # chosen chunks are tapered (short first/last); chunks the user set are uniform
                 pieces=split_pieces(shard_rows, chunks, self.config.tp_bidirectional, taper=not self.config.tp_chunks),
-                rs_algo=self.config.tp_rs,
+                rs_algo=self.config.rs_algo,
                 prefetch=self.prefetch,
+                backend=self.backend,
             )
             self.plans[key] = plan
         return plan
@@ -141,18 +147,54 @@ def install(args_or_config: Union[OverlapConfig, Any]) -> OverlapConfig:
             "ColumnParallelLinear/RowParallelLinear only (--transformer-impl local); TE's linears "
             "are left as they are"
         )
+    backend = make_backend(resolve_backend(config))
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import layers
 
-    inst = Installation(config=config, context=context)
+    inst = Installation(config=config, context=context, backend=backend)
     column = _column_linear(inst, layers.__dict__[_LINEAR_FN])
     inst.set_attr(layers, _LINEAR_FN, column)
     if getattr(tensor_parallel, _LINEAR_FN, None) is inst.originals[0][2]:
         inst.set_attr(tensor_parallel, _LINEAR_FN, column)
     inst.set_attr(layers.RowParallelLinear, "forward", _row_forward(inst, layers.RowParallelLinear.__dict__["forward"]))
     _installation = inst
-    _notice(f"TP overlap on: {' '.join(config.as_flags())}")
+    _notice(f"TP overlap on ({backend.name}): {' '.join(config.as_flags())}")
     return config
+
+
+def resolve_backend(config: OverlapConfig) -> str:
+    """``auto`` -> ``symm-mem`` where PyTorch's symmetric memory runs, else ``p2p``. ``fused`` is
+    never picked automatically until it has been validated on GPUs (see README)."""
+    if config.tp != "auto":
+        return config.tp
+    from .ops import symm_mem
+
+    return "symm-mem" if symm_mem.availability()[0] else "p2p"
+
+
+def make_backend(name: str) -> TPBackend:
+    """The backend object; refuses (naming --overlap-tp) one that cannot run on this machine."""
+    if name == "p2p":
+        return P2PBackend()
+    if name == "symm-mem":
+        from .ops import symm_mem
+
+        ok, why = symm_mem.availability()
+        if not ok:
+            refuse("symm-mem", why)
+        return symm_mem.SymmMemBackend()
+    if name == "fused":
+        from .ops import fused
+
+        ok, why = fused.availability()
+        if not ok:
+            refuse("fused", why)
+        if fused.interpreting():
+            return fused.FusedBackend()  # fixed tile config: interpreter timings mean nothing
+        from .kernels.tuning import ConfigChooser
+
+        return fused.FusedBackend(configs=ConfigChooser())
+    raise ValueError(f"unknown TP-overlap backend {name!r}")
 
 
 def uninstall() -> None:
@@ -186,7 +228,7 @@ def _column_linear(inst: Installation, original):
             inst.notice_once("gtp", "GTP-sharded weights (gtp_remat_size > 1) run Megatron's stock path")
             return original(*args, **kwargs)
         x = call.input
-        plan = inst.plan_for(group, x.shape[0], _batch(x))
+        plan = inst.plan_for(group, x.shape[0], x)
         return ColumnParallelSP.apply(
             x,
             call.weight,
@@ -218,7 +260,7 @@ def _row_forward(inst: Installation, original):
             inst.notice_once("gtp", "GTP-sharded weights (gtp_remat_size > 1) run Megatron's stock path")
             return original(self, input_)
         _check_cpu_offloading(self, input_)
-        plan = inst.plan_for(group, input_.shape[0] // group.size(), _batch(input_))
+        plan = inst.plan_for(group, input_.shape[0] // group.size(), input_)
         output_ = RowParallelSP.apply(
             input_, self.weight, self.gradient_accumulation_fusion, group, plan
         )

@@ -6,6 +6,12 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Without a GPU the Triton kernels run in the interpreter; it must be chosen before triton is
+# imported (here, and in the rank processes, which inherit the environment).
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -329,3 +329,90 @@ def sp_off_error(tp: int) -> str:
     finally:
         _install([])
     return "no error"
+
+
+# --------------------------------------------------------------------------- other backends
+def _use_reference_symm_mem():
+    """Run the symm-mem backend's composition on CPU: PyTorch's fused ops have no CPU kernels,
+    so the same two ops are computed with stock collectives (ReferenceSymmMemOps)."""
+    from megatron_overlap.ops import symm_mem
+
+    symm_mem.availability = lambda *a, **k: (True, "reference ops (test)")
+    symm_mem.TorchSymmMemOps = symm_mem.ReferenceSymmMemOps
+
+
+def backend_layer_parity(tp: int, backend: str, seed: int) -> list[dict]:
+    """Stock Megatron Column/Row linears vs the given backend (fused: Triton interpreter)."""
+    from megatron_overlap.testing import tiny_gpt
+
+    if backend == "symm-mem":
+        _use_reference_symm_mem()
+    tiny_gpt.init_parallel(tp, seed=seed)
+    _config, layers = _layers(tp, fusion=False)
+    gen = torch.Generator().manual_seed(seed * 7 + dist.get_rank())
+    s, b = 13, 3
+    variants = [["--overlap-tp", backend]]
+    if backend == "fused":
+        variants += [["--overlap-tp", "fused", "--overlap-tp-chunks", str(2 * tp), "--overlap-tp-bidirectional"]]
+    rows = []
+    for name, layer in layers.items():
+        column = "column" in name
+        x = torch.randn(s if column else s * tp, b,
+                        layer.input_size if column else layer.input_size_per_partition, generator=gen)
+        dy = torch.randn(s * tp if column else s, b,
+                         layer.output_size_per_partition if column else layer.output_size, generator=gen)
+        _install([])
+        stock = _run_layer(layer, x, dy, False)
+        for flags in variants:
+            _install(flags)
+            ours = _run_layer(layer, x, dy, False)
+            for key in stock:
+                rows.append(dict(layer=name, flags=" ".join(flags), tensor=key, rel=_rel(ours[key], stock[key])))
+    _install([])
+    return rows
+
+
+def first_run_error(tp: int, flags: list[str], dtype=torch.float32) -> str:
+    """The error a layer raises at its first run under ``flags`` (or 'no error')."""
+    from megatron_overlap.testing import tiny_gpt
+
+    tiny_gpt.init_parallel(tp)
+    _config, layers = _layers(tp, fusion=False, dtype=dtype)
+    _install(flags)
+    try:
+        layers["fc1(column)"](torch.randn(13, 3, 96, dtype=dtype))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        _install([])
+    return "no error"
+
+
+def tuning_agreement(directory: str) -> dict:
+    """Deliberately different per-rank timings: every rank must pick the same config (the one
+    whose slowest rank is fastest), and a second start must reuse the cache."""
+    from megatron_overlap.kernels.ag_gemm import TileConfig
+    from megatron_overlap.kernels.tuning import ConfigChooser
+    from megatron_overlap.tuning import DiskCache
+
+    rank = dist.get_rank()
+    candidates = [TileConfig(16, 16, 16), TileConfig(32, 32, 16), TileConfig(64, 64, 32)]
+    # rank r finds candidate r % 3 fastest on its own; the max over ranks makes candidate 1 best
+    own = {0: [1.0, 3.0, 9.0], 1: [9.0, 3.0, 1.0], 2: [5.0, 4.0, 6.0], 3: [2.0, 3.5, 8.0]}[rank]
+    calls = []
+
+    def timer(kind, config, m, n, k, dtype, device):
+        calls.append(config.key())
+        return own[candidates.index(config)]
+
+    cache = DiskCache("tile_configs", directory=f"{directory}/rank{rank}")
+    first = ConfigChooser(candidates, cache=cache, timer=timer).choose("ag_gemm", 64, 48, 32, torch.float32,
+                                                                       dist.group.WORLD)
+    measured_first = len(calls)
+
+    def must_not_run(*a):
+        raise AssertionError("measured although cached")
+
+    second = ConfigChooser(candidates, cache=cache, timer=must_not_run).choose("ag_gemm", 64, 48, 32,
+                                                                               torch.float32, dist.group.WORLD)
+    return {"first": first.key(), "second": second.key(), "measured_first": measured_first}

@@ -25,6 +25,8 @@ def test_check_reports_versions_and_backends():
     info = json.loads(out.stdout)
     assert info["megatron-core supported"] and info["megatron-core"].startswith("0.1")
     assert info["backends"]["p2p"]["usable"] and info["gloo"]
+    assert set(info["backends"]) == {"off", "p2p", "symm-mem", "fused", "auto"}
+    assert not info["backends"]["symm-mem"]["usable"]  # no CUDA on the test machines
     text = cli("check").stdout
     assert "--overlap-tp backends" in text and "p2p" in text
 

@@ -62,7 +62,10 @@ def test_defaults_and_round_trip():
     )
     assert (config.tp, config.tp_chunks, config.tp_rs, config.tp_bidirectional) == ("p2p", 16, "a2a", True)
     assert OverlapConfig.from_args(parse(*config.as_flags())) == config
-    assert OverlapConfig.from_args(parse("--overlap-tp", "auto")).backend == "p2p"
+    from megatron_overlap.patch import resolve_backend
+
+    assert resolve_backend(OverlapConfig.from_args(parse("--overlap-tp", "auto"))) == "p2p"  # no CUDA here
+    assert OverlapConfig(tp="fused").rs_algo == "a2a" and OverlapConfig(tp="p2p").rs_algo == "ring"
     with pytest.raises(Exception):
         config.tp = "off"  # frozen
 

@@ -42,6 +42,12 @@ def report() -> dict:
         "gloo": dist.is_available() and dist.is_gloo_available(),
         "nccl": dist.is_available() and dist.is_nccl_available(),
     }
+    from ..ops import fused, symm_mem
+    from ..patch import resolve_backend
+    from ..config import OverlapConfig
+
+    symm_ok, symm_why = symm_mem.availability()
+    fused_ok, fused_why = fused.availability()
     backends = {
         "off": (True, "stock Megatron"),
         "p2p": (
@@ -50,7 +56,9 @@ def report() -> dict:
             if mcore_ok
             else "needs a supported megatron-core",
         ),
-        "auto": (mcore_ok, "resolves to p2p (the only backend so far)"),
+        "symm-mem": (mcore_ok and symm_ok, symm_why),
+        "fused": (mcore_ok and fused_ok, fused_why + ("; not yet validated on GPUs" if fused_ok else "")),
+        "auto": (mcore_ok, f"resolves to {resolve_backend(OverlapConfig(tp='auto'))} here"),
     }
     info["backends"] = {name: {"usable": ok, "note": note} for name, (ok, note) in backends.items()}
     info["transformer-engine note"] = (

@@ -20,6 +20,34 @@ from ..comm.collectives import all_gather_into
 from ..comm.rings import Piece, RingAllGather
 
 
+def gather_matmul(
+    x_shard: torch.Tensor,
+    weight_t: torch.Tensor,
+    group: dist.ProcessGroup,
+    pieces: Sequence[Piece],
+    gathered: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``all_gather(x_shard) @ weight_t`` with the gather hidden behind the GEMM. When
+    ``gathered [R*s, ...]`` is given it also receives the whole gathered input."""
+    size = dist.get_world_size(group)
+    rows = x_shard.shape[0]
+    out = torch.empty(
+        (rows * size, *x_shard.shape[1:-1], weight_t.shape[1]), dtype=x_shard.dtype, device=x_shard.device
+    )
+    keep = gathered is not None
+    if not keep:
+        gathered = torch.empty((rows * size, *x_shard.shape[1:]), dtype=x_shard.dtype, device=x_shard.device)
+    ring = RingAllGather(x_shard, gathered, group, pieces, tag=1, copy_own=keep)
+    own_rows, own = ring.own()
+    torch.matmul(own, weight_t, out=out[own_rows])  # the local shard in one GEMM while pieces travel
+    for step in range(1, size):
+        for k in range(len(ring.pieces)):
+            _owner, out_rows, piece = ring.take(step, k)
+            torch.matmul(piece, weight_t, out=out[out_rows])
+    ring.finish()
+    return out
+
+
 def ag_gemm(
     x_shard: torch.Tensor,
     weight: torch.Tensor,
@@ -27,25 +55,9 @@ def ag_gemm(
     pieces: Sequence[Piece],
     bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``all_gather(x_shard) @ weight.T (+ bias)`` with the gather hidden behind the GEMM."""
-    size = dist.get_world_size(group)
-    rows = x_shard.shape[0]
-    out = torch.empty(
-        (rows * size, *x_shard.shape[1:-1], weight.shape[0]), dtype=x_shard.dtype, device=x_shard.device
-    )
-    gathered = torch.empty((rows * size, *x_shard.shape[1:]), dtype=x_shard.dtype, device=x_shard.device)
-    ring = RingAllGather(x_shard, gathered, group, pieces, tag=1)
-    wt = weight.t()
-    own_rows, own = ring.own()
-    torch.matmul(own, wt, out=out[own_rows])  # the local shard in one GEMM while pieces travel
-    for step in range(1, size):
-        for k in range(len(ring.pieces)):
-            _owner, out_rows, piece = ring.take(step, k)
-            torch.matmul(piece, wt, out=out[out_rows])
-    ring.finish()
-    if bias is not None:
-        out = out + bias
-    return out
+    """``all_gather(x_shard) @ weight.T (+ bias)`` (ColumnParallelLinear's layout)."""
+    out = gather_matmul(x_shard, weight.t(), group, pieces)
+    return out + bias if bias is not None else out
 
 
 def ag_gemm_reference(

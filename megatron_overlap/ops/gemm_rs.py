@@ -34,6 +34,29 @@ def row_partial(x: torch.Tensor, weight_t: torch.Tensor, shard_rows: int):
     return partial
 
 
+def start_matmul_reduce_scatter(
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    group: dist.ProcessGroup,
+    pieces: Sequence[Piece],
+    algo: str = "ring",
+):
+    """Run every step of ``reduce_scatter(x @ weight_t)`` but the last receives; ``.finish()``
+    on the returned engine adds them and gives the shard. Work issued between the two
+    overlaps the last hop."""
+    size = dist.get_world_size(group)
+    if x.shape[0] % size:
+        raise ValueError(f"gemm_rs: {x.shape[0]} rows do not split over {size} ranks")
+    shard_rows = x.shape[0] // size
+    out = torch.empty((shard_rows, *x.shape[1:-1], weight_t.shape[1]), dtype=x.dtype, device=x.device)
+    rs = make_reduce_scatter(algo, out, group, pieces, row_partial(x, weight_t, shard_rows))
+    for step in range(size - 1):
+        for k in range(len(rs.pieces)):
+            rs.run(step, k)
+    rs.run_own()  # own rows in one GEMM while the last partials travel
+    return rs
+
+
 def gemm_rs(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -41,18 +64,8 @@ def gemm_rs(
     pieces: Sequence[Piece],
     algo: str = "ring",
 ) -> torch.Tensor:
-    """``reduce_scatter(x @ weight.T)`` along dim 0 with the reduce-scatter hidden behind the GEMM."""
-    size = dist.get_world_size(group)
-    if x.shape[0] % size:
-        raise ValueError(f"gemm_rs: {x.shape[0]} rows do not split over {size} ranks")
-    shard_rows = x.shape[0] // size
-    out = torch.empty((shard_rows, *x.shape[1:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
-    rs = make_reduce_scatter(algo, out, group, pieces, row_partial(x, weight.t(), shard_rows))
-    for step in range(size - 1):
-        for k in range(len(rs.pieces)):
-            rs.run(step, k)
-    rs.run_own()  # own rows in one GEMM while the last partials travel
-    return rs.finish()
+    """``reduce_scatter(x @ weight.T)`` along dim 0 (RowParallelLinear's layout)."""
+    return start_matmul_reduce_scatter(x, weight.t(), group, pieces, algo).finish()
 
 
 def gemm_rs_reference(x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

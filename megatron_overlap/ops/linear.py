@@ -30,9 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import all_gather_into
-from ..comm.rings import Piece, RingAllGather, make_reduce_scatter
-from .gemm_rs import gemm_rs, row_partial
-from .ag_gemm import ag_gemm
+from ..comm.rings import Piece
+from .backends import P2PBackend, TPBackend
 from .wgrad import as_2d, weight_gradient
 
 _custom_fwd = torch.amp.custom_fwd(device_type="cuda")
@@ -116,6 +115,7 @@ class TPPlan:
     pieces: tuple[Piece, ...]
     rs_algo: str = "ring"
     prefetch: Optional[PrefetchRegistry] = None
+    backend: TPBackend = field(default_factory=P2PBackend)
     prefetch_fraction: float = 0.5  # of the wgrad input's rows gathered during the Row backward
 
 
@@ -147,7 +147,8 @@ class ColumnParallelSP(torch.autograd.Function):
         ctx.slot = GatherSlot(input, group, plan.prefetch_fraction if plan.prefetch is not None else 0.0)
         if plan.prefetch is not None:
             plan.prefetch.offer(group, ctx.slot)
-        return ag_gemm(input, weight, group, plan.pieces, bias)
+        output, _ = plan.backend.gather_matmul(input, weight.t(), group, plan)
+        return output + bias if bias is not None else output
 
     @staticmethod
     @_custom_bwd
@@ -169,15 +170,8 @@ class ColumnParallelSP(torch.autograd.Function):
         if wgrad_compute:
             slot.start()  # no-op when the Row linear after us already started it
 
-        grad_input = torch.empty_like(input)
-        shard_rows = input.shape[0]
-        rs = make_reduce_scatter(
-            plan.rs_algo, grad_input, group, plan.pieces, row_partial(grad_output, weight, shard_rows)
-        )
-        for step in range(dist.get_world_size(group) - 1):
-            for k in range(len(rs.pieces)):
-                rs.run(step, k)
-        rs.run_own()
+        # dgrad = RS(dy @ w); its last hop travels while the wgrad GEMM runs
+        pending = plan.backend.matmul_reduce_scatter(grad_output, weight, group, plan)
 
         if wgrad_compute:
             grad_output, total_input = as_2d(grad_output, slot.take())
@@ -187,8 +181,7 @@ class ColumnParallelSP(torch.autograd.Function):
         else:
             grad_weight = weight_gradient(weight, None, None, ctx.gradient_accumulation_fusion, input)
         grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
-        rs.finish()
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return pending.finish(), grad_weight, grad_bias, None, None, None, None, None
 
 
 class RowParallelSP(torch.autograd.Function):
@@ -213,7 +206,7 @@ class RowParallelSP(torch.autograd.Function):
         ctx.group = group
         ctx.plan = plan
         ctx.prefetch_slot = plan.prefetch.claim(group) if plan.prefetch is not None else None
-        return gemm_rs(input, weight, group, plan.pieces, plan.rs_algo)
+        return plan.backend.matmul_reduce_scatter(input, weight.t(), group, plan).finish()
 
     @staticmethod
     @_custom_bwd
@@ -222,20 +215,8 @@ class RowParallelSP(torch.autograd.Function):
         group, plan = ctx.group, ctx.plan
         if ctx.gradient_accumulation_fusion:
             weight.main_grad = ctx.main_grad
-        size = dist.get_world_size(group)
         grad_output = grad_output.contiguous()
-        shard_rows = grad_output.shape[0]
-        gathered = torch.empty(
-            (shard_rows * size, *grad_output.shape[1:]), dtype=grad_output.dtype, device=grad_output.device
-        )
-        ring = RingAllGather(grad_output, gathered, group, plan.pieces, tag=4, copy_own=True)
-        grad_input = torch.empty_like(input)
-        own_rows, own = ring.own()
-        torch.matmul(own, weight, out=grad_input[own_rows])
-        for step in range(1, size):
-            for k in range(len(ring.pieces)):
-                _owner, rows, piece = ring.take(step, k)
-                torch.matmul(piece, weight, out=grad_input[rows])
+        grad_input, gathered = plan.backend.gather_matmul(grad_output, weight, group, plan, keep_gathered=True)
         slot, ctx.prefetch_slot = ctx.prefetch_slot, None
         if slot is not None:
             slot.start_early()
@@ -243,5 +224,4 @@ class RowParallelSP(torch.autograd.Function):
         grad_weight = weight_gradient(
             weight, grad_2d, input_2d, ctx.gradient_accumulation_fusion, input
         )
-        ring.finish()
         return grad_input, grad_weight, None, None, None

@@ -1,0 +1,1 @@
+"""GPU check and timing scripts for the fused kernels."""

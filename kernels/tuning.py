@@ -1,0 +1,85 @@
+"""Tile-config autotuning for the fused kernels, per (kernel, M, N, K, dtype, world size,
+device name, kernel source hash), cached on disk, every rank agreeing on the pick
+(``megatron_overlap.tuning``). Timed with CUDA events on GPU; on the CPU interpreter timing
+means nothing, so the backend uses a fixed config there."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..tuning import DiskCache, choose, device_name, source_hash
+from . import ag_gemm as _ag_gemm_module
+from . import gemm_rs as _gemm_rs_module
+from .ag_gemm import CONFIGS, TileConfig
+
+_SOURCES = {
+    "ag_gemm": source_hash(inspect.getsource(_ag_gemm_module)),
+    "gemm_rs": source_hash(inspect.getsource(_gemm_rs_module)),
+}
+
+
+def config_key(kind: str, m: int, n: int, k: int, dtype: torch.dtype, world: int, device: torch.device) -> str:
+    return "|".join(
+        [kind, f"{m}x{n}x{k}", str(dtype).replace("torch.", ""), f"world{world}", device_name(device),
+         f"src{_SOURCES[kind]}", f"torch{torch.__version__}"]
+    )
+
+
+def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of ``fn()`` (CUDA events on GPU, perf_counter elsewhere), after a warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+class ConfigChooser:
+    """Picks a :class:`TileConfig` per kernel and shape; one per installation."""
+
+    def __init__(self, candidates: Sequence[TileConfig] = CONFIGS, cache: Optional[DiskCache] = None,
+                 timer: Optional[Callable] = None):
+        self.candidates = tuple(candidates)
+        self.cache = cache or DiskCache("tile_configs")
+        self.timer = timer  # timer(kind, config, m, n, k, dtype, device) -> seconds; default: run it
+        self.memo: dict = {}
+
+    def _measure(self, kind, m, n, k, dtype, device, config) -> float:
+        if self.timer is not None:
+            return self.timer(kind, config, m, n, k, dtype, device)
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        if kind == "ag_gemm":
+            flags = torch.ones(1, dtype=torch.int32, device=device)
+            run = lambda: _ag_gemm_module.ag_gemm(a, b, flags, [0, m], [0], config=config, wait=False)  # noqa: E731
+        else:
+            run = lambda: _gemm_rs_module.gemm_rs(a, b, 1, [0], config=config)  # noqa: E731
+        return time_call(run, device)
+
+    def choose(self, kind: str, m: int, n: int, k: int, dtype: torch.dtype,
+               group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None) -> TileConfig:
+        device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                            else torch.device("cpu"))
+        world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+        key = config_key(kind, m, n, k, dtype, world, device)
+        if key not in self.memo:
+            config, _hit = choose(self.cache, key, self.candidates,
+                                  lambda c: self._measure(kind, m, n, k, dtype, device, c), group,
+                                  encode=TileConfig.key)
+            self.memo[key] = config
+        return self.memo[key]

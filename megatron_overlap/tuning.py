@@ -1,0 +1,103 @@
+"""Choosing among measured candidates: every rank agrees, and the choice is cached on disk.
+
+Used by the Triton tile-config autotuner (``megatron_overlap.kernels.tuning``) and by the
+plan autotuner. Rules (style notes, point 9): a cache entry is keyed by everything that can
+change the answer (shape, dtype, world size, device name, versions, kernel source hash); all
+ranks take the candidate whose *slowest* rank is fastest (all-reduce MAX of the timings over
+the same group), so a rank with a noisy clock cannot make the ranks disagree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def cache_dir() -> str:
+    return os.environ.get(
+        "MEGATRON_OVERLAP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "megatron_overlap")
+    )
+
+
+def source_hash(*texts: str) -> str:
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(text.encode())
+    return digest.hexdigest()[:16]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type}-{os.cpu_count()}cpu"
+
+
+class DiskCache:
+    """A JSON file of ``key -> value``; writes are atomic (write then rename)."""
+
+    def __init__(self, name: str, directory: Optional[str] = None):
+        self.path = os.path.join(directory or cache_dir(), f"{name}.json")
+
+    def _load(self) -> dict:
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def get(self, key: str):
+        return self._load().get(key)
+
+    def put(self, key: str, value) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        data = self._load()
+        data[key] = value
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+def agree_on_best(timings: Sequence[float], group: Optional[dist.ProcessGroup]) -> tuple[int, list[float]]:
+    """Index of the candidate whose slowest rank is fastest, the same on every rank of
+    ``group``, and the per-candidate maxima. Without a group, this rank's own timings decide."""
+    worst = torch.tensor(list(timings), dtype=torch.float64)
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+    values = worst.tolist()
+    return min(range(len(values)), key=lambda i: (values[i], i)), values
+
+
+def choose(
+    cache: DiskCache,
+    key: str,
+    candidates: Sequence,
+    measure: Callable[[object], float],
+    group: Optional[dist.ProcessGroup],
+    encode: Callable[[object], str] = str,
+):
+    """The cached choice for ``key`` if there is one (and it is still a candidate), else
+    measure every candidate on this rank, agree across ``group``, cache and return it.
+
+    Every rank must call this with the same key and candidates: the decision to measure is
+    itself agreed on (all ranks measure if any rank misses the cache), so ranks with different
+    cache files cannot end up in different collectives.
+    """
+    names = [encode(c) for c in candidates]
+    cached = cache.get(key)
+    hit = cached is not None and cached.get("choice") in names
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        flag = torch.tensor([0 if hit else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        hit = flag.item() == 0
+    if hit:
+        return candidates[names.index(cached["choice"])], True
+    timings = [measure(c) for c in candidates]
+    best, worst = agree_on_best(timings, group)
+    cache.put(key, {"choice": names[best], "timings_s": dict(zip(names, worst))})
+    return candidates[best], False
