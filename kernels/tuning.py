@@ -6,13 +6,12 @@ means nothing, so the backend uses a fixed config there."""
 from __future__ import annotations
 
 import inspect
-import time
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..tuning import DiskCache, choose, device_name, source_hash
+from ..tuning import DiskCache, choose, device_name, source_hash, time_call
 from . import ag_gemm as _ag_gemm_module
 from . import gemm_rs as _gemm_rs_module
 from .ag_gemm import CONFIGS, TileConfig
@@ -28,25 +27,6 @@ def config_key(kind: str, m: int, n: int, k: int, dtype: torch.dtype, world: int
         [kind, f"{m}x{n}x{k}", str(dtype).replace("torch.", ""), f"world{world}", device_name(device),
          f"src{_SOURCES[kind]}", f"torch{torch.__version__}"]
     )
-
-
-def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
-    """Median seconds of ``fn()`` (CUDA events on GPU, perf_counter elsewhere), after a warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 class ConfigChooser:

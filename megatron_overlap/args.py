@@ -13,6 +13,10 @@ FLAGS = (
     "--overlap-tp-chunks",
     "--overlap-tp-rs",
     "--overlap-tp-bidirectional",
+    "--overlap-autotune",
+    "--overlap-plan",
+    "--overlap-trace",
+    "--overlap-trace-iters",
 )
 
 
@@ -70,6 +74,35 @@ def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         action="store_true",
         default=None,
         help="Split each chunk in two halves travelling both ways round the ring.",
+    )
+    group.add_argument(
+        "--overlap-autotune",
+        action="store_true",
+        default=None,
+        help="Measure the candidate decompositions (chunks per rank, reduce-scatter algorithm) of "
+        "each distinct linear shape on the real TP group the first time it runs; every rank takes "
+        "the same pick; cached on disk (~/.cache/megatron_overlap/tp_plans.json) for the next start.",
+    )
+    group.add_argument(
+        "--overlap-plan",
+        default=None,
+        metavar="FILE",
+        help="Load the decompositions from FILE (the autotuner's cache format: {shape key: "
+        "'c4t-ring' | {'choice': ...}}; a 'default' key applies to every other shape).",
+    )
+    group.add_argument(
+        "--overlap-trace",
+        default=None,
+        metavar="DIR",
+        help="Write a per-rank Chrome trace (torch.profiler; opens in Perfetto) of the chosen "
+        "iterations to DIR and log their exposed communication; `megatron-overlap report DIR` "
+        "draws them. Works with --overlap-tp off too (to see stock Megatron).",
+    )
+    group.add_argument(
+        "--overlap-trace-iters",
+        default=None,
+        metavar="LIST",
+        help="Iterations to trace, counted from 0 in this run: '3', '3,5' or '3-5' (default 3).",
     )
     return parser
 

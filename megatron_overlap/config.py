@@ -24,6 +24,8 @@ _TP_DEPENDENT = {
     "overlap_tp_chunks": "--overlap-tp-chunks",
     "overlap_tp_rs": "--overlap-tp-rs",
     "overlap_tp_bidirectional": "--overlap-tp-bidirectional",
+    "overlap_autotune": "--overlap-autotune",
+    "overlap_plan": "--overlap-plan",
 }
 
 
@@ -47,6 +49,18 @@ class OverlapConfig:
     tp_bidirectional: bool = False
     """Split every chunk in two halves that travel the ring in opposite directions."""
 
+    autotune: bool = False
+    """Measure each linear shape's candidate decompositions at its first run (``--overlap-autotune``)."""
+
+    plan_file: Optional[str] = None
+    """Decompositions to load (``--overlap-plan``)."""
+
+    trace_dir: Optional[str] = None
+    """Directory for per-rank Chrome traces of the chosen iterations (``--overlap-trace``)."""
+
+    trace_iterations: frozenset = frozenset({3})
+    """Iterations to trace, counted from 0 in this run."""
+
     explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
     """Names of the fields the user set explicitly (used only for conflict messages)."""
 
@@ -68,6 +82,18 @@ class OverlapConfig:
                 "--overlap-tp-chunks",
                 f"must be 0 (choose automatically) or a positive multiple of the TP size, "
                 f"got {self.tp_chunks}",
+            )
+        if "overlap_trace_iters" in self.explicit and not self.trace_dir:
+            raise OverlapConfigError(
+                "--overlap-trace-iters", "has no effect without --overlap-trace DIR; add it, or drop the iterations"
+            )
+        if "overlap_trace_iters" in self.explicit and not self.trace_dir:
+            raise OverlapConfigError(
+                "--overlap-trace-iters", "has no effect without --overlap-trace DIR; add it, or drop the iterations"
+            )
+        if self.autotune and self.plan_file:
+            raise OverlapConfigError(
+                "--overlap-plan", "and --overlap-autotune both choose the decompositions; pass one of them"
             )
         if self.tp == "symm-mem":
             given = sorted(_TP_DEPENDENT[name] for name in self.explicit if name in _TP_DEPENDENT)
@@ -104,12 +130,19 @@ class OverlapConfig:
     def as_flags(self) -> list[str]:
         """The command-line flags that reproduce this config."""
         flags = ["--overlap-tp", self.tp]
+        if self.trace_dir:
+            flags += ["--overlap-trace", self.trace_dir,
+                      "--overlap-trace-iters", ",".join(str(i) for i in sorted(self.trace_iterations))]
         if self.enabled:
             if self.tp == "symm-mem":
                 return flags
             flags += ["--overlap-tp-chunks", str(self.tp_chunks), "--overlap-tp-rs", self.rs_algo]
             if self.tp_bidirectional:
                 flags.append("--overlap-tp-bidirectional")
+            if self.autotune:
+                flags.append("--overlap-autotune")
+            if self.plan_file:
+                flags += ["--overlap-plan", self.plan_file]
         return flags
 
     @classmethod
@@ -123,12 +156,26 @@ class OverlapConfig:
                 "megatron_overlap.add_overlap_args (or pass it as Megatron's extra_args_provider)"
             )
         explicit = {name for name in _TP_DEPENDENT if getattr(args, name, None) is not None}
+        iterations = getattr(args, "overlap_trace_iters", None)
+        if iterations is not None:
+            explicit.add("overlap_trace_iters")
+            try:
+                from .trace import parse_iterations
+
+                iterations = parse_iterations(iterations)
+            except ValueError as exc:
+                raise OverlapConfigError("--overlap-trace-iters", str(exc)) from None
         values = dict(
             tp=args.overlap_tp,
             tp_chunks=_default(getattr(args, "overlap_tp_chunks", None), 0),
             tp_rs=_default(getattr(args, "overlap_tp_rs", None), "ring"),
             tp_bidirectional=bool(getattr(args, "overlap_tp_bidirectional", None) or False),
+            trace_dir=getattr(args, "overlap_trace", None),
+            autotune=bool(getattr(args, "overlap_autotune", None) or False),
+            plan_file=getattr(args, "overlap_plan", None),
         )
+        if iterations is not None:
+            values["trace_iterations"] = iterations
         return cls(**values, explicit=frozenset(explicit))
 
     def replace(self, **changes) -> "OverlapConfig":

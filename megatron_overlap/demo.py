@@ -44,6 +44,7 @@ class DemoConfig:
     rs: str = "ring"
     bidirectional: bool = False
     seed: int = 1234
+    trace_dir: str = ""  # --trace: Chrome traces of the last step (both modes), per rank
 
     def model(self):
         from .testing.tiny_gpt import TinyGPT
@@ -146,15 +147,20 @@ class _Session:
 
         from .testing import tiny_gpt
 
+        from .trace import StepTracer
+
         out = {}
         for mode in ("baseline", "overlap"):
             if mode == "overlap":
                 megatron_overlap.install(self.overlap_args)
+            tracer = StepTracer(self.cfg.trace_dir, {index} if record and self.cfg.trace_dir else (),
+                                rank=dist.get_rank(), label=mode, link=self.link)
             self.link.record_spans = record
             dist.barrier()
             self.link.reset()
             t0 = time.perf_counter()
-            loss = tiny_gpt.train_step(self.models[mode], self.spec, index, lr=self.cfg.lr)
+            with tracer.step(index):
+                loss = tiny_gpt.train_step(self.models[mode], self.spec, index, lr=self.cfg.lr)
             t1 = time.perf_counter()
             stats = self.link.reset()
             megatron_overlap.uninstall()
@@ -352,6 +358,9 @@ def add_demo_args(parser: argparse.ArgumentParser):
     parser.add_argument("--overlap-tp-rs", dest="rs", choices=("ring", "a2a"), default=d.rs)
     parser.add_argument("--overlap-tp-bidirectional", dest="bidirectional", action="store_true")
     parser.add_argument("--out", default="runs/demo", help="directory for timeline.png and result.json")
+    parser.add_argument("--trace", dest="trace_dir", default="", metavar="DIR",
+                        help="also write per-rank Chrome traces of the last step (both modes) to DIR; "
+                        "`megatron-overlap report DIR` draws them")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
     parser.add_argument("--no-progress", action="store_true")
 

@@ -17,6 +17,7 @@ TP > 1 and a trainable weight (frozen weights, MoE experts with explicit communi
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class Installation:
     prefetch: PrefetchRegistry = field(default_factory=PrefetchRegistry)
     noticed: set = field(default_factory=set)
     backend: TPBackend = field(default_factory=P2PBackend)
+    tuner: Optional[object] = None  # autotune.PlanTuner when --overlap-autotune / --overlap-plan
 
     def notice_once(self, key: str, message: str):
         if key not in self.noticed:
@@ -85,15 +87,31 @@ class Installation:
                 ModelContext(tp_size=size, sequence_parallel=True, seq_length=shard_rows * size),
             )
             chunks = chunks_per_rank(self.config, size, shard_rows, batch)
-            plan = TPPlan(
-                # chosen chunks are tapered (short first/last); chunks the user set are uniform
-                pieces=split_pieces(shard_rows, chunks, self.config.tp_bidirectional, taper=not self.config.tp_chunks),
-                rs_algo=self.config.rs_algo,
-                prefetch=self.prefetch,
-                backend=self.backend,
-            )
+            # chosen chunks are tapered (short first/last); chunks the user set are uniform
+            plan = self._make_plan(chunks, not self.config.tp_chunks, self.config.rs_algo, shard_rows)
             self.plans[key] = plan
         return plan
+
+    def tuned(self, plan: TPPlan, kind: str, x: torch.Tensor, weight: torch.Tensor, group, shard_rows: int) -> TPPlan:
+        """The plan the autotuner or the plan file gives this linear, once per shape."""
+        if self.tuner is None or self.backend.name == "symm-mem":
+            return plan
+        key = ("tuned", kind, id(group), shard_rows, _batch(x), tuple(weight.shape), x.dtype, x.device)
+        if key not in self.plans:
+            make = lambda c: self._make_plan(  # noqa: E731
+                chunks_per_rank(self.config, group.size(), shard_rows, _batch(x)) if c.chunks == 0 else c.chunks,
+                c.taper, "a2a" if self.backend.name == "fused" else c.rs, shard_rows)
+            choice = self.tuner.choose(kind, x, weight, group, shard_rows, self.backend, make)
+            self.plans[key] = plan if choice is None else make(choice)
+        return self.plans[key]
+
+    def _make_plan(self, chunks: int, taper: bool, rs: str, shard_rows: int) -> TPPlan:
+        return TPPlan(
+            pieces=split_pieces(shard_rows, chunks, self.config.tp_bidirectional, taper=taper),
+            rs_algo=rs,
+            prefetch=self.prefetch,
+            backend=self.backend,
+        )
 
 
 # The one piece of module state: what install() patched, so uninstall() can restore it.
@@ -120,7 +138,7 @@ def install(args_or_config: Union[OverlapConfig, Any]) -> OverlapConfig:
     """
     global _installation
     config = OverlapConfig.from_args(args_or_config)
-    if not config.enabled:
+    if not config.enabled and not config.trace_dir:
         uninstall()  # nothing to patch, nothing to check: also no Megatron version needed
         return config
     is_full_megatron_args = hasattr(args_or_config, "tensor_model_parallel_size")
@@ -134,32 +152,97 @@ def install(args_or_config: Union[OverlapConfig, Any]) -> OverlapConfig:
         if _installation.config == config and _installation.context == context:
             return config
         uninstall()
-    if not tp_overlap_applies(config, context):
+    tp_on = tp_overlap_applies(config, context)
+    if config.enabled and not tp_on:
         _notice(
             f"--overlap-tp {config.tp} has nothing to overlap with tensor-parallel size 1; "
             "running stock Megatron"
         )
+    if not tp_on and not config.trace_dir:
         return config
 
+    if tp_on and config.tp == "auto" and not (config.autotune or config.plan_file) and is_full_megatron_args:
+        config = _auto_from_cost_model(config, args_or_config)
+        tp_on = config.enabled
+    inst = Installation(config=config, context=context)
+    if tp_on:
+        if config.autotune or config.plan_file:
+            from .autotune import PlanTuner, load_plan_file
+
+            inst.tuner = PlanTuner(config.autotune, load_plan_file(config.plan_file) if config.plan_file else None)
+        _patch_linears(inst)
+    if config.trace_dir:
+        _patch_train_step(inst)
+    _installation = inst
+    return config
+
+
+def _auto_from_cost_model(config: OverlapConfig, args) -> OverlapConfig:
+    """``--overlap-tp auto`` with Megatron's args on a GPU the cost model knows: its pick."""
+    from .autotune import predicted_choice
+    from .ops import symm_mem
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    picked = predicted_choice(args, device, symm_mem.availability()[0])
+    if picked is None:
+        return config
+    best, stock = picked
+    speedup = stock.step_ms / best.step_ms
+    strategy = best.strategy
+    if strategy.name == "megatron":
+        _notice("--overlap-tp auto: the cost model predicts stock Megatron fastest here; running stock")
+        return config.replace(tp="off")
+    _notice(f"--overlap-tp auto: the cost model picks {best.name} ({best.flags}; predicted {speedup:.2f}x over stock)")
+    if strategy.name == "symm-mem":
+        return config.replace(tp="symm-mem")
+    return config.replace(tp="p2p", tp_chunks=strategy.chunks * args.tensor_model_parallel_size, tp_rs=strategy.rs)
+
+
+def _patch_linears(inst: Installation) -> None:
     if compat.transformer_engine_version() is not None:
         _notice(
             "Transformer Engine is installed: megatron-overlap patches Megatron's local "
             "ColumnParallelLinear/RowParallelLinear only (--transformer-impl local); TE's linears "
             "are left as they are"
         )
-    backend = make_backend(resolve_backend(config))
+    inst.backend = make_backend(resolve_backend(inst.config))
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import layers
 
-    inst = Installation(config=config, context=context, backend=backend)
-    column = _column_linear(inst, layers.__dict__[_LINEAR_FN])
+    original = layers.__dict__[_LINEAR_FN]
+    column = _column_linear(inst, original)
     inst.set_attr(layers, _LINEAR_FN, column)
-    if getattr(tensor_parallel, _LINEAR_FN, None) is inst.originals[0][2]:
+    if getattr(tensor_parallel, _LINEAR_FN, None) is original:
         inst.set_attr(tensor_parallel, _LINEAR_FN, column)
     inst.set_attr(layers.RowParallelLinear, "forward", _row_forward(inst, layers.RowParallelLinear.__dict__["forward"]))
-    _installation = inst
-    _notice(f"TP overlap on ({backend.name}): {' '.join(config.as_flags())}")
-    return config
+    _notice(f"TP overlap on ({inst.backend.name}): {' '.join(inst.config.as_flags())}")
+
+
+def _patch_train_step(inst: Installation) -> None:
+    """``--overlap-trace``: Megatron-LM's ``training.train_step`` (looked up by ``train()`` at
+    call time) is wrapped so the chosen iterations are profiled. Without Megatron-LM's
+    training loop (megatron-core only), the user's loop calls :class:`trace.StepTracer`."""
+    try:
+        from megatron.training import training
+    except ImportError:
+        _notice(
+            "--overlap-trace: no Megatron-LM training loop here (megatron.training); wrap your "
+            "iterations in megatron_overlap.trace.StepTracer(...).step(i) instead"
+        )
+        return
+    from .trace import StepTracer
+
+    tracer = StepTracer(inst.config.trace_dir, inst.config.trace_iterations)
+    original = training.__dict__["train_step"]
+    calls = itertools.count()
+
+    @functools.wraps(original)
+    def train_step(*args, **kwargs):
+        tracer.rank = dist.get_rank() if dist.is_initialized() else 0
+        with tracer.step(next(calls)):
+            return original(*args, **kwargs)
+
+    inst.set_attr(training, "train_step", train_step)
 
 
 def resolve_backend(config: OverlapConfig) -> str:
@@ -228,7 +311,7 @@ def _column_linear(inst: Installation, original):
             inst.notice_once("gtp", "GTP-sharded weights (gtp_remat_size > 1) run Megatron's stock path")
             return original(*args, **kwargs)
         x = call.input
-        plan = inst.plan_for(group, x.shape[0], x)
+        plan = inst.tuned(inst.plan_for(group, x.shape[0], x), "column", x, call.weight, group, x.shape[0])
         return ColumnParallelSP.apply(
             x,
             call.weight,
@@ -260,7 +343,8 @@ def _row_forward(inst: Installation, original):
             inst.notice_once("gtp", "GTP-sharded weights (gtp_remat_size > 1) run Megatron's stock path")
             return original(self, input_)
         _check_cpu_offloading(self, input_)
-        plan = inst.plan_for(group, input_.shape[0] // group.size(), input_)
+        rows = input_.shape[0] // group.size()
+        plan = inst.tuned(inst.plan_for(group, rows, input_), "row", input_, self.weight, group, rows)
         output_ = RowParallelSP.apply(
             input_, self.weight, self.gradient_accumulation_fusion, group, plan
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -101,3 +102,22 @@ def choose(
     best, worst = agree_on_best(timings, group)
     cache.put(key, {"choice": names[best], "timings_s": dict(zip(names, worst))})
     return candidates[best], False
+
+
+def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of ``fn()`` (CUDA events on GPU, perf_counter elsewhere), after a warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]

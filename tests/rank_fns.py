@@ -416,3 +416,71 @@ def tuning_agreement(directory: str) -> dict:
     second = ConfigChooser(candidates, cache=cache, timer=must_not_run).choose("ag_gemm", 64, 48, 32,
                                                                                torch.float32, dist.group.WORLD)
     return {"first": first.key(), "second": second.key(), "measured_first": measured_first}
+
+
+# --------------------------------------------------------------------------- plan autotuner
+def plan_tuner_agreement(directory: str) -> dict:
+    """Deliberately different per-rank timings on a TP=4 group: one pick on every rank (the
+    candidate whose slowest rank is fastest), and the next start reuses the cache."""
+    from megatron_overlap.autotune import PlanChoice, PlanTuner, candidates
+    from megatron_overlap.ops.backends import P2PBackend
+    from megatron_overlap.tuning import DiskCache
+
+    group = _tp_group(4)
+    rank = dist.get_rank()
+    cands = [c.key() for c in candidates(4, 13, 3)]
+    # each rank's own favourite differs (rank r finds candidate -r fastest); over the 4 ranks
+    # every other candidate has a slow rank (>= 13), so cands[3] (10.5 everywhere) must win
+    table = {c: 10.0 + ((i + rank) % len(cands)) for i, c in enumerate(cands)}
+    table[cands[3]] = 10.5
+    calls = []
+
+    def measure(choice, *a):
+        calls.append(choice.key())
+        return table[choice.key()]
+
+    cache = DiskCache("tp_plans", directory=f"{directory}/rank{rank}")
+    x, w = torch.randn(13, 3, 96), torch.randn(50, 96)
+    first = PlanTuner(True, cache=cache, measure=measure).choose("column", x, w, group, 13, P2PBackend(), None)
+
+    def must_not_run(*a):
+        raise AssertionError("measured although cached")
+
+    second = PlanTuner(True, cache=cache, measure=must_not_run).choose("column", x, w, group, 13, P2PBackend(), None)
+    return {"first": first.key(), "second": second.key(), "measured": len(calls), "expected": cands[3],
+            "candidates": len(cands)}
+
+
+def autotuned_layers_match_stock(tp: int, flags: list[str], cache_dir: str) -> dict:
+    """Real measurements (--overlap-autotune) or a plan file: results still equal stock's, the
+    cache holds one entry per linear shape."""
+    import glob
+    import json
+    import os
+
+    from megatron_overlap.testing import tiny_gpt
+
+    os.environ["MEGATRON_OVERLAP_CACHE"] = f"{cache_dir}/rank{dist.get_rank()}"
+    tiny_gpt.init_parallel(tp)
+    _config, layers = _layers(tp, fusion=False)
+    gen = torch.Generator().manual_seed(3 + dist.get_rank())
+    worst = 0.0
+    for name in ("fc1(column)", "fc2(row)"):
+        layer = layers[name]
+        column = "column" in name
+        x = torch.randn(13 if column else 13 * tp, 3, 96 if column else layer.input_size_per_partition, generator=gen)
+        dy = torch.randn(13 * tp if column else 13, 3, layer.output_size_per_partition if column else 96, generator=gen)
+        _install([])
+        stock = _run_layer(layer, x, dy, False)
+        _install(flags)
+        ours = _run_layer(layer, x, dy, False)
+        worst = max(worst, max(_rel(ours[k], stock[k]) for k in stock))
+    import megatron_overlap.patch as patch
+
+    tuned = [p for k, p in patch._installation.plans.items() if k[0] == "tuned"]
+    pieces = sorted({len(p.pieces) for p in tuned})
+    _install([])
+    entries = 0
+    for path in glob.glob(f"{cache_dir}/rank{dist.get_rank()}/tp_plans.json"):
+        entries = len(json.load(open(path)))
+    return {"worst": worst, "entries": entries, "pieces": pieces}

@@ -50,6 +50,17 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
 def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):
     return parse_args(extra_args_provider, ignore_unknown_args)
 '''
+FAKE_TRAINING = '''
+import torch
+
+
+def train_step(x):
+    return (x @ x).sum().item()
+
+
+def train(iterations):
+    return [train_step(torch.ones(32, 32) * i) for i in range(iterations)]
+'''
 FAKE_INITIALIZE = '''
 from megatron.training.arguments import parse_args
 
@@ -79,6 +90,13 @@ def fake_megatron_lm(tmp_path):
     (training / "__init__.py").write_text("from .initialize import initialize_megatron\n")
     (training / "arguments.py").write_text(FAKE_ARGUMENTS)
     (training / "initialize.py").write_text(FAKE_INITIALIZE)
+    (training / "training.py").write_text(FAKE_TRAINING)
+    (tmp_path / "pretrain_trace.py").write_text(
+        "from megatron.training.arguments import parse_and_validate_args\n"
+        "from megatron.training import training\n"
+        "args = parse_and_validate_args()\n"
+        "print(training.train(3))\n"
+    )
     (tmp_path / "pretrain_v016.py").write_text(SCRIPT.format(
         entry="from megatron.training.initialize import initialize_megatron", call="initialize_megatron"))
     (tmp_path / "pretrain_v018.py").write_text(SCRIPT.format(
@@ -96,6 +114,17 @@ def test_run_injects_flags_and_installs_after_parsing(fake_megatron_lm, script):
     assert result == dict(installed=True, tp=2, own=True, overlap="p2p", rs="a2a",
                           argv0=str(fake_megatron_lm / script))
     assert "TP overlap on" in out.stderr
+
+
+def test_run_traces_the_chosen_iteration_of_megatrons_loop(fake_megatron_lm, tmp_path):
+    traces = tmp_path / "traces"
+    out = cli("run", str(fake_megatron_lm / "pretrain_trace.py"), "--overlap-trace", str(traces),
+              "--overlap-trace-iters", "1", cwd=fake_megatron_lm)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in traces.iterdir()) == ["rank0.iter1.json"]
+    assert "rank 0 iteration 1: step" in out.stderr and "exposed communication" in out.stderr
+    report = cli("report", str(traces))
+    assert report.returncode == 0 and "iter1" in report.stdout
 
 
 def test_run_refuses_te_linears_with_a_clear_error(fake_megatron_lm):
@@ -135,8 +164,9 @@ def test_fork_diffs_touch_only_parse_args():
 
 
 def test_demo_end_to_end(tmp_path):
+    traces = tmp_path / "traces"
     out = cli("demo", "--steps", "3", "--warmup", "1", "--seq", "256", "--hidden", "256",
-              "--no-progress", "--json", "--out", str(tmp_path), timeout=900)
+              "--no-progress", "--json", "--out", str(tmp_path), "--trace", str(traces), timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result) == {"config", "link", "baseline", "overlap"}
@@ -148,6 +178,18 @@ def test_demo_end_to_end(tmp_path):
     png = tmp_path / "timeline.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "loss stock" in out.stdout and "hidden" in out.stdout
+    # the traces of the last step: Chrome-trace JSON with compute and communication per rank
+    from megatron_overlap.trace import spans
+
+    files = sorted(p.name for p in traces.iterdir())
+    assert files == [f"rank{r}.iter2.{m}.json" for r in range(4) for m in ("baseline", "overlap")]
+    for name in files:
+        s = spans(str(traces / name))
+        assert s["compute"] and s["wait"] and s["link"], name
+    report = cli("report", str(traces))
+    assert report.returncode == 0, report.stderr
+    assert (traces / "timeline.png").stat().st_size > 10_000
+    assert report.stdout.count("iter2.overlap") == 4
 
 
 def test_bench_mlp_smoke():
@@ -159,3 +201,14 @@ def test_bench_mlp_smoke():
     assert result["overlap"]["bytes_per_step"] == result["stock"]["bytes_per_step"] > 0
     assert {"limit_ms", "speedup", "overlap_vs_limit"} <= set(result)
     assert "x limit" in out.stdout
+
+
+def test_plan_cli_gives_the_seeds_pcie_share():
+    out = cli("plan", "--model", "llama2-13b", "--hardware", "a100-pcie", "--tp", "8", "--inference", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    stock = next(s for s in plan["strategies"] if s["name"] == "megatron")
+    assert 0.40 <= stock["comm_fraction"] <= 0.60  # the seed: 40-60% for TP=8 inference on PCIe
+    assert {"hardware", "model", "strategies", "best"} <= set(plan)
+    published = cli("plan", "--published")
+    assert published.returncode == 0 and published.stdout.count("\n| ") >= 5  # >= 4 published rows

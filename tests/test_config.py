@@ -29,6 +29,10 @@ def test_flag_set_is_pinned():
         "--overlap-tp-chunks",
         "--overlap-tp-rs",
         "--overlap-tp-bidirectional",
+        "--overlap-autotune",
+        "--overlap-plan",
+        "--overlap-trace",
+        "--overlap-trace-iters",
     }
 
 
@@ -123,6 +127,11 @@ def parser_error(capsys, *flags) -> str:
         (["--overlap-tp-rs", "a2a"], {}, "--overlap-tp-rs", "only apply to TP overlap"),
         (["--overlap-tp-bidirectional"], {}, "--overlap-tp-bidirectional", "only apply to TP overlap"),
         (["--overlap-tp", "off", "--overlap-tp-chunks", "8"], {}, "--overlap-tp-chunks", "--overlap-tp p2p"),
+        (["--overlap-trace-iters", "3"], {}, "--overlap-trace-iters", "without --overlap-trace"),
+        (["--overlap-autotune"], {}, "--overlap-autotune", "only apply to TP overlap"),
+        (["--overlap-tp", "p2p", "--overlap-autotune", "--overlap-plan", "p.json"], {}, "--overlap-plan", "pass one of them"),
+        (["--overlap-tp", "p2p", "--overlap-plan", "/nonexistent/plan.json"], {}, "--overlap-plan", "cannot read"),
+        (["--overlap-trace", "/tmp/t", "--overlap-trace-iters", "x"], {}, "--overlap-trace-iters", "expected e.g."),
     ],
     ids=[
         "overlap-without-sp",
@@ -135,6 +144,11 @@ def parser_error(capsys, *flags) -> str:
         "rs-without-overlap",
         "bidirectional-without-overlap",
         "chunks-without-overlap",
+        "trace-iters-without-trace",
+        "autotune-without-overlap",
+        "autotune-and-plan",
+        "missing-plan-file",
+        "bad-trace-iters",
     ],
 )
 def test_invalid_configurations_name_the_flag(flags, kwargs, flag, words):

@@ -112,3 +112,17 @@ def test_programmatic_install_checks_when_the_layer_runs(pool4):
         assert message.startswith("OverlapConfigError: --overlap-tp-chunks: 6 is not a multiple of the tensor-parallel size 4"), message
     for message in pool4.run(rank_fns.sp_off_error, 2):
         assert message.startswith("OverlapConfigError: --overlap-tp:") and "--sequence-parallel" in message, message
+
+
+def test_every_subpackage_is_installed():
+    """pyproject.toml lists the packages by hand (kernels/ maps to megatron_overlap.kernels):
+    a new subpackage must be listed there, or a wheel install would lack it."""
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"megatron_overlap." + ".".join(p.parent.relative_to(root / "megatron_overlap").parts)
+             for p in (root / "megatron_overlap").rglob("__init__.py") if p.parent != root / "megatron_overlap"}
+    found |= {"megatron_overlap", "megatron_overlap.kernels", "megatron_overlap.kernels.bench"}
+    assert found == listed

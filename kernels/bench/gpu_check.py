@@ -49,7 +49,7 @@ def main(argv=None) -> int:
 
     from megatron_overlap.kernels.ag_gemm import CONFIGS, TileConfig, ag_gemm
     from megatron_overlap.kernels.emulation import emulate_ag_gemm, emulate_gemm_rs
-    from megatron_overlap.kernels.tuning import time_call
+    from megatron_overlap.tuning import time_call
     from megatron_overlap.ops import symm_mem
 
     cuda = torch.cuda.is_available() and not args.interpret

@@ -26,6 +26,9 @@ def add_mlp_args(parser: argparse.ArgumentParser):
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--timeline", default="", metavar="PNG", help="draw the last round's timeline here")
+    parser.add_argument("--predict", action="store_true",
+                        help="after the run, time this CPU's GEMM shapes (one thread) and print the cost "
+                        "model's prediction of both step times beside the measurement")
 
 
 def mlp_main(args) -> int:
@@ -33,6 +36,15 @@ def mlp_main(args) -> int:
     cfg = MLPBench(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
     result = run(cfg, progress=not args.no_progress, timeline_png=args.timeline)
     print(format_table(result))
+    if args.predict:
+        from ..cost.bench_predict import compare, predict_mlp_bench
+        from ..cost.measure_cpu import measure
+
+        rates = measure(cfg.hidden, cfg.ffn, cfg.seq, cfg.tp)
+        print("\ncost model (cost/bench_predict.py) given this run's link and compute, and these GEMM rates:")
+        print(compare(result, rates))
+        predicted = predict_mlp_bench(result, rates)
+        result["prediction"] = {k: v for k, v in predicted.items() if not k.endswith("_result")}
     if args.json:
         print(json.dumps(result))
     return 0

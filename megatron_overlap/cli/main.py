@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -34,6 +35,14 @@ def _parser() -> argparse.ArgumentParser:
 
     add_mlp_args(bench_sub.add_parser("mlp", help="MLP block fwd+bwd, stock vs overlap, emulated link"))
 
+    from ..cost.cli_plan import add_plan_args
+
+    add_plan_args(sub.add_parser("plan", help="rank the TP-overlap strategies for a model on a machine (cost model)"))
+
+    report = sub.add_parser("report", help="summarize and draw the traces of --overlap-trace / demo --trace")
+    report.add_argument("directory")
+    report.add_argument("--png", default="", help="timeline PNG (default: DIR/timeline.png)")
+
     check = sub.add_parser("check", help="print versions and which backends are usable here")
     check.add_argument("--json", action="store_true", help="one JSON object instead of text")
     return parser
@@ -54,6 +63,21 @@ def main(argv=None) -> int:
         from .check import main as check_main
 
         return check_main(args.json)
+    if args.command == "plan":
+        from ..cost.cli_plan import plan_main
+
+        return plan_main(args)
+    if args.command == "report":
+        from ..trace import report
+
+        try:
+            table, png = report(args.directory, args.png or os.path.join(args.directory, "timeline.png"))
+        except FileNotFoundError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        print(table)
+        print(f"timeline: {png}")
+        return 0
     if args.command == "demo":
         from ..demo import main as demo_main
 

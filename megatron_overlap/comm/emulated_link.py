@@ -39,6 +39,9 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+from torch.profiler import record_function
+
+from ..trace import WAIT
 
 _COLLECTIVES = (
     "all_gather_single",
@@ -117,12 +120,13 @@ class _EmuWork:
         if self._done:
             return True
         t0 = time.perf_counter()
-        if self._real is not None:
-            self._real.wait() if timeout is None else self._real.wait(timeout)
-        self._arrived()
-        left = self._deadline - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+        with record_function(WAIT):  # marks stock Megatron's waits for --overlap-trace too
+            if self._real is not None:
+                self._real.wait() if timeout is None else self._real.wait(timeout)
+            self._arrived()
+            left = self._deadline - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
         self._done = True
         self._link._blocked(t0, time.perf_counter())
         return True

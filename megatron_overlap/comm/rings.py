@@ -28,6 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..trace import wait
 from .p2p import exchange
 
 # Partial-sum producer: (destination group rank, piece, optional output view) -> tensor of
@@ -105,7 +106,7 @@ class _RingBase:
 
     def _wait_sends(self):
         for work, _keepalive in self._sends:
-            work.wait()
+            wait(work)
         self._sends.clear()
 
 
@@ -168,7 +169,7 @@ class RingAllGather(_RingBase):
             return owner, rows, self.x_shard[piece.start : piece.stop]
         self._pump()
         if (step, k) in self._recvs:
-            self._recvs.pop((step, k)).wait()
+            wait(self._recvs.pop((step, k)))
             self._forward(step, k, self.gathered[rows])
         return owner, rows, self.gathered[rows]
 
@@ -181,7 +182,7 @@ class RingAllGather(_RingBase):
             if not work.is_completed():
                 return
             del self._recvs[key]
-            work.wait()
+            wait(work)
             step, k = key
             piece = self.pieces[k]
             self._forward(step, k, self.gathered[self.rows_of(self.owner(step, piece), piece)])
@@ -238,7 +239,7 @@ class RingReduceScatter(_ReduceScatterBase):
         acc = self.partial(self.dest(step, piece), piece, None)
         if step > 0:
             work, buf = self._recvs.pop((step, k))
-            work.wait()
+            wait(work)
             acc = buf.add_(acc)
         nxt = torch.empty_like(acc)
         send, recv = exchange(
@@ -258,7 +259,7 @@ class RingReduceScatter(_ReduceScatterBase):
         for k, piece in enumerate(self.pieces):
             if (last, k) in self._recvs:
                 work, buf = self._recvs.pop((last, k))
-                work.wait()
+                wait(work)
                 self.out[piece.start : piece.stop].add_(buf)
         if self._recvs:
             raise RuntimeError(f"RingReduceScatter finished with steps never run: {sorted(self._recvs)}")
@@ -301,7 +302,7 @@ class A2AReduceScatter(_ReduceScatterBase):
         for k, piece in enumerate(self.pieces):
             view = self.out[piece.start : piece.stop]
             for work, buf in self._recvs.pop(k, []):
-                work.wait()
+                wait(work)
                 view.add_(buf)
         self._wait_sends()
         return self.out

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..comm.p2p import exchange
 from ..comm.rings import RingAllGather
+from ..trace import wait
 from .backends import TPBackend, gathered_buffer, refuse
 
 _TAG_A2A = 5 << 16
@@ -175,10 +176,10 @@ class _PendingA2A:
         from ..kernels.gemm_rs import reduce_slots
 
         for send, recv, src, _keep in self.works:
-            recv.wait()
+            wait(recv)
             self.flags[src] = 1
         for send, _recv, _src, _keep in self.works:
-            send.wait()
+            wait(send)
         order = [(self.rank - i) % self.size for i in range(self.size)]  # own first, then arrivals
         out = reduce_slots(self.received, self.flags, order)
         return out.view(self.shape)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import all_gather_into
 from ..comm.rings import Piece
+from ..trace import wait
 from .backends import P2PBackend, TPBackend
 from .wgrad import as_2d, weight_gradient
 
@@ -81,11 +82,11 @@ class GatherSlot:
         size = dist.get_world_size(self._group)
         if len(parts) == 1:
             _, _, buf, work = parts[0]
-            work.wait()
+            wait(work)
             return buf.view(size * x.shape[0], *x.shape[1:])
         full = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
         for first, rows, buf, work in parts:
-            work.wait()
+            wait(work)
             full[:, first : first + rows].copy_(buf)
         return full.view(size * x.shape[0], *x.shape[1:])
 
