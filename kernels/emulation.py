@@ -45,10 +45,13 @@ def push_chunk(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor, program
                                     counter_ptr=counter)
 
 
+_WARMED: set = set()
+
+
 def emulate_ag_gemm(
     world: int, m_local: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     producer: str = "copy_engine", config: TileConfig = CONFIGS[0], seed: int = 0,
-    inputs: Optional[tuple] = None,
+    inputs: Optional[tuple] = None, reference: bool = True,
 ) -> dict:
     """Run AG-GEMM for virtual rank 0 with a live producer; return out, reference and buffers."""
     if producer not in ("copy_engine", "push_kernel"):
@@ -66,27 +69,38 @@ def emulate_ag_gemm(
     bounds = [r * m_local for r in range(world + 1)]
     order = list(range(world))
 
-    def produce():
+    def produce(into: torch.Tensor, raise_flags: torch.Tensor):
         for r in range(1, world):
-            dst = gathered[r * m_local : (r + 1) * m_local]
+            dst = into[r * m_local : (r + 1) * m_local]
             if producer == "copy_engine":
                 dst.copy_(shards[r], non_blocking=True)
-                flags[r : r + 1].fill_(1)
+                raise_flags[r : r + 1].fill_(1)
             else:
-                push_chunk(shards[r], dst, flags[r : r + 1])
+                push_chunk(shards[r], dst, raise_flags[r : r + 1])
 
     if device.type == "cuda":
+        # Load (and compile) every producer kernel before the GEMM starts spinning: with CUDA's
+        # lazy module loading, the first launch of a kernel can wait for the running, spinning
+        # GEMM, which waits for that kernel's flag: a deadlock (a hang seen on the H200 without
+        # this; lazy loading is the likely cause). Triton compiles a kernel per specialization
+        # of its integer arguments (e.g. numel divisible by 16), so warm per shape.
+        key = (producer, str(device), dtype, world, m_local, k)
+        if key not in _WARMED:
+            produce(torch.empty_like(gathered), torch.zeros_like(flags))
+            torch.cuda.synchronize(device)
+            _WARMED.add(key)
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
-        out = ag_gemm(gathered, b, flags, bounds, order, config=config, reserved_sms=8 if producer == "push_kernel" else 0)
+        # SMs left free so the producer's kernels (flag writes, push copies) can run beside it.
+        out = ag_gemm(gathered, b, flags, bounds, order, config=config, reserved_sms=8)
         with torch.cuda.stream(side):
-            produce()
+            produce(gathered, flags)
         torch.cuda.current_stream(device).wait_stream(side)
     else:
-        produce()
+        produce(gathered, flags)
         out = ag_gemm(gathered, b, flags, bounds, order, config=config)
-    reference = torch.matmul(torch.cat(shards), b)
-    return {"out": out, "reference": reference, "shards": shards, "b": b}
+    ref = torch.matmul(torch.cat(shards), b) if reference else None  # off when timing
+    return {"out": out, "reference": ref, "shards": shards, "b": b}
 
 
 def emulate_gemm_rs(world: int, m_local: int, n: int, k: int, dtype: torch.dtype, device: torch.device,

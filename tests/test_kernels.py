@@ -94,4 +94,11 @@ def test_gpu_check_script_runs_end_to_end_in_cpu_emulation(tmp_path):
     assert result["correctness_ok"] and result["mode"].startswith("cpu-interpreter")
     assert set(result["chunked_gemm"]) == {"1", "2", "4", "8", "16"}
     assert result["symm_mem"]["usable"] is False
-    assert "chunked GEMM efficiency" in proc.stdout.splitlines()[-2]
+    assert "chunked GEMM efficiency" in proc.stdout and "live producer" in proc.stdout
+    assert proc.stdout.splitlines()[-1].strip() == "correctness: all within tolerance 1e-05"
+
+
+def test_gpu_check_refuses_an_unknown_section():
+    proc = subprocess.run([sys.executable, "-m", "megatron_overlap.kernels.bench.gpu_check", "--interpret",
+                           "--only", "preset,bogus"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown section(s) ['bogus']" in proc.stderr
