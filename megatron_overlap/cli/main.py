@@ -34,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     from ..bench.cli import add_mlp_args
 
     add_mlp_args(bench_sub.add_parser("mlp", help="MLP block fwd+bwd, stock vs overlap, emulated link"))
+    from ..hdp.bench import add_hdp_args
+
+    add_hdp_args(bench_sub.add_parser(
+        "hdp", help="hybrid data parallelism: static CP vs megatron-core's balanced scheduler vs HDP (cost model)"))
 
     from ..cost.cli_plan import add_plan_args
 
@@ -82,6 +86,10 @@ def main(argv=None) -> int:
         from ..demo import main as demo_main
 
         return demo_main(args)
+    if args.command == "bench" and args.bench == "hdp":
+        from ..hdp.bench import hdp_main
+
+        return hdp_main(args)
     if args.command == "bench" and args.bench == "mlp":
         from ..bench.cli import mlp_main
 

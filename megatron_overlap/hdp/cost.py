@@ -1,0 +1,174 @@
+"""What one rank spends on the rows it holds in one micro-batch: compute, and ring communication
+the attention does not hide. Pure functions of a small value; every scheduler is scored by it.
+
+Per rank, for ``rows`` rows (padding included) and ``pairs`` causal (query, key) pairs, forward +
+backward over all layers::
+
+    linear_ms    = rows  * 6 (P_layer * layers + vocab * hidden) / (peak * gemm_fraction)
+    attention_ms = pairs * 4 hidden layers (1 + bwd_factor)     / (peak * attention_fraction)
+    pairs of a causal sequence of L tokens = L (L + 1) / 2   (the causal half), / n on a ring of n
+
+A ring of n ranks moves, per layer, n-1 key/value blocks of ``kv_bytes = 2 kv_heads head_dim
+dtype_bytes rows`` forward, and n-1 key/value blocks plus n-1 dK/dV blocks backward. Each block
+travels while the rank attends to the block in hand (``cp/ring.py``), so per ring step only the
+part of the transfer longer than one block's attention is exposed::
+
+    exposed_ms = layers (n-1) [ max(0, t(kv) - a_fwd / n) + max(0, 2 t(kv) - a_bwd / n) ]
+    t(B)       = latency + B / bandwidth        a_fwd, a_bwd = this rank's attention per layer
+
+Nothing else hides the ring (the linears before and after attention depend on it). Links: a ring
+whose ranks all sit in one node (``rank // gpus_per_node``) uses the intra-node link, any other
+the inter-node one. Several sequences of one micro-batch on the same ring (a packed static CP
+micro-batch) share one ring: rows and pairs add. Gradient all-reduce, optimizer and data loading
+are the same for every scheduler and left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+from ..cost.comm import transfer_ms
+from ..cost.hardware import HardwareSpec, Link, get_hardware
+from ..cost.models import ModelSpec, get_model
+
+RING_PASSES = 3  # key/value blocks forward, key/value blocks again and dK/dV blocks backward
+
+
+@dataclass(frozen=True)
+class HdpCostModel:
+    """Defaults: ``from_hardware(get_hardware("h100-sxm"), get_model("llama3-8b"))`` (pinned by a
+    test): datasheet H100 SXM (989 dense bf16 TFLOPS; NVLink 450 GB/s per direction, 50 GB/s
+    per GPU across nodes, each at 80% ring efficiency; NCCL's per-hop latencies), one rank = one
+    GPU holding a whole Llama-3-8B replica (TP = 1)."""
+
+    peak_tflops: float = 989.0
+    gemm_fraction: float = 0.75  # linears' share of peak (cost.gemm.GemmEfficiency.max_fraction)
+    attention_fraction: float = 0.5  # flash attention's share of peak (HardwareSpec.attention_fraction)
+    intra_link_GBps: float = 360.0  # per direction, as a ring achieves it
+    intra_latency_us: float = 3.4
+    inter_link_GBps: float = 40.0
+    inter_latency_us: float = 14.0
+    gpus_per_node: int = 8
+    hidden: int = 4096
+    ffn: int = 14336
+    heads: int = 32
+    kv_heads: int = 8
+    layers: int = 32
+    vocab: int = 128256
+    gated: bool = True
+    dtype_bytes: int = 2
+    attention_bwd_factor: float = 2.5  # flash attention backward / forward FLOPs (5 GEMMs vs 2)
+
+    def __post_init__(self):
+        positive = ("peak_tflops", "gemm_fraction", "attention_fraction", "intra_link_GBps",
+                    "inter_link_GBps", "gpus_per_node", "hidden", "heads", "kv_heads", "layers", "dtype_bytes")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HdpCostModel.{name} must be > 0, got {getattr(self, name)}")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"hidden {self.hidden} / heads {self.heads} / kv heads {self.kv_heads} do not divide")
+
+    @classmethod
+    def from_hardware(cls, hw: HardwareSpec, model: Optional[ModelSpec] = None) -> "HdpCostModel":
+        model = model or get_model("llama3-8b")
+        return cls(
+            peak_tflops=hw.peak_tflops,
+            gemm_fraction=hw.gemm.max_fraction,
+            attention_fraction=hw.attention_fraction,
+            intra_link_GBps=hw.intra.bandwidth_GBps,
+            intra_latency_us=hw.intra.latency_us,
+            inter_link_GBps=hw.inter.bandwidth_GBps,
+            inter_latency_us=hw.inter.latency_us,
+            gpus_per_node=hw.gpus_per_node,
+            hidden=model.hidden,
+            ffn=model.ffn,
+            heads=model.heads,
+            kv_heads=model.kv_heads,
+            layers=model.layers,
+            vocab=model.vocab,
+            gated=model.gated,
+            dtype_bytes=hw.dtype_bytes,
+        )
+
+    @classmethod
+    def named(cls, hardware: str = "h100-sxm", model: str = "llama3-8b") -> "HdpCostModel":
+        return cls.from_hardware(get_hardware(hardware), get_model(model))
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    # -- per-token and per-pair rates ---------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def linear_flops_per_token(self) -> float:
+        """6 x (weights a token passes through): forward 2 per weight, backward 4."""
+        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+        mlp = self.hidden * self.ffn * (3 if self.gated else 2)
+        per_layer = qkv + self.hidden * self.hidden + mlp
+        return 6.0 * (per_layer * self.layers + self.vocab * self.hidden)
+
+    @property
+    def attention_fwd_flops_per_pair(self) -> float:
+        """QK^T and PV: 2 GEMMs x 2 FLOPs x hidden, every layer."""
+        return 4.0 * self.hidden * self.layers
+
+    @property
+    def linear_ms_per_token(self) -> float:
+        return self.linear_flops_per_token / (self.peak_tflops * 1e12 * self.gemm_fraction) * 1e3
+
+    @property
+    def attention_fwd_ms_per_pair(self) -> float:
+        return self.attention_fwd_flops_per_pair / (self.peak_tflops * 1e12 * self.attention_fraction) * 1e3
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """2 (K, V) x kv_heads x head_dim x dtype_bytes, per layer."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    # -- costs ---------------------------------------------------------------------------------
+    def compute_ms(self, rows: float, pairs: float) -> float:
+        """Forward + backward compute of ``rows`` rows with ``pairs`` causal attention pairs."""
+        return rows * self.linear_ms_per_token + pairs * self.attention_fwd_ms_per_pair * (1 + self.attention_bwd_factor)
+
+    def link(self, ring: Sequence[int]) -> Link:
+        nodes = {r // self.gpus_per_node for r in ring}
+        if len(nodes) <= 1:
+            return Link(bandwidth_GBps=self.intra_link_GBps, latency_us=self.intra_latency_us)
+        return Link(bandwidth_GBps=self.inter_link_GBps, latency_us=self.inter_latency_us)
+
+    def ring_bytes(self, rows: float, cp_size: int) -> float:
+        """Bytes one rank sends for its ``rows`` in one ring of ``cp_size``: all layers, forward
+        and backward: ``RING_PASSES x layers x (n-1) x kv_bytes_per_token x rows``."""
+        if cp_size <= 1:
+            return 0.0
+        return RING_PASSES * self.layers * (cp_size - 1) * self.kv_bytes_per_token * rows
+
+    def exposed_ring_ms(self, rows: float, pairs: float, ring: Sequence[int]) -> float:
+        """Ring transfer time not hidden behind attention (module docstring)."""
+        n = len(ring)
+        if n <= 1:
+            return 0.0
+        link = self.link(ring)
+        t_kv = transfer_ms(self.kv_bytes_per_token * rows, link)
+        t_kv_dkv = transfer_ms(2 * self.kv_bytes_per_token * rows, link, messages=2)
+        a_fwd = pairs * self.attention_fwd_ms_per_pair / self.layers
+        a_bwd = a_fwd * self.attention_bwd_factor
+        per_layer = (n - 1) * (max(0.0, t_kv - a_fwd / n) + max(0.0, t_kv_dkv - a_bwd / n))
+        return self.layers * per_layer
+
+    def item_ms(self, rows: float, pairs: float, ring: Sequence[int] = ()) -> float:
+        """Busy time of one rank for one ring's (or local) rows in a micro-batch."""
+        return self.compute_ms(rows, pairs) + self.exposed_ring_ms(rows, pairs, ring)
+
+    def sequence_ms(self, seq_len: int, cp_size: int = 1, ring: Sequence[int] = ()) -> float:
+        """Per-rank busy time of one sequence on ``cp_size`` ranks (``ring`` picks the link;
+        by default ``range(cp_size)``, one node when it fits)."""
+        from .shard import rows_held
+
+        ring = tuple(ring) or tuple(range(cp_size))
+        pairs = seq_len * (seq_len + 1) / 2 / cp_size
+        return self.item_ms(rows_held(seq_len, cp_size), pairs, ring if cp_size > 1 else ())

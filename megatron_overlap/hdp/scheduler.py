@@ -1,0 +1,322 @@
+"""The HDP scheduler: one step's global batch onto R = DP x CP ranks, each sequence on as few
+ranks as hold it, every rank's work per step within a small slack of the others.
+
+Input: the sequence lengths of the global batch, the ranks R, the per-rank capacity C
+(``--hdp-max-tokens-per-rank``: rows one rank holds in a micro-batch, padding included) and the
+cost model (``cost.HdpCostModel``; every scheduler is scored by the same one). Output: a
+``plan.Plan``, per rank the ordered micro-batches. Pure Python, no communication, deterministic:
+every rank computes the same plan from the same lengths (ties are broken by length, then by
+sequence id, then by rank id; no hashing, no clock, no randomness).
+
+Sizing (``shard.ranks_needed``)::
+
+    L <= C   held whole by one rank, packed with other short sequences into micro-batches of
+             at most C rows: no ring, no CP communication
+    L >  C   a ring of n = ceil(L / C) ranks (any integer, not only powers of two; C even; one
+             more for an odd C when the zigzag rounding needs it), zigzag shards of 2 ceil(L/2n)
+             rows each, so every peer has the same rows and the same causal pairs L (L+1) / 2n
+
+Costs: a ring costs each peer ``w = compute(rows, pairs) + exposed ring communication`` (the
+same on every peer, so no peer waits inside a ring); a short sequence costs its rank
+``compute(L, L (L+1) / 2)``. Work is measured in time, not tokens: a 32K-token sequence costs
+its rank about as much attention as linear work, a 256K one over 8 ranks eight times more
+attention than linear (``cost`` module docstring).
+
+Algorithm, ``mode="dp"`` (balance each rank's work per step; list scheduling, longest first)::
+
+    1. Rings, longest sequence first. Each rank has a clock t_r (when its last ring ends). A
+       ring of n goes on the n ranks where it ends earliest: end = max_{r in S} t_r + w(S),
+       S among the n ranks with the smallest clocks (ties: lower rank id) and, when n fits in
+       a node, each node's n least-busy ranks (an intra-node ring is never slower; one is taken
+       over an inter-node one unless it ends more than NODE_SLACK x w later). Peers whose
+       clock is behind the ring's start get a gap: start - t_r of idle time before the ring.
+    2. Short sequences, costliest first (LPT). Each goes into the gap where it fits tightest
+       (best fit: the smallest gap left >= its cost), so it runs while the rank would have
+       waited for its ring peers and delays nothing; what fits no gap goes after the rings on
+       the rank that ends first (LPT: the last items placed are the smallest, so the ends
+       differ by about one small sequence at most).
+    3. Micro-batches: the short sequences of one gap, and those after the rings, are packed
+       first-fit decreasing into micro-batches of at most C rows; a ring is a micro-batch of
+       its own. Ring slots: rings are walked in start order; a ring takes, on every peer, the
+       index max over peers of (micro-batches that peer has so far); peers behind get empty
+       (idle) slots. So every peer holds a ring at the same index, and two ranks meet their
+       shared rings in the same (start) order: no deadlock, and the plan's timeline is the one
+       step 1 computed (``simulate`` reproduces it).
+
+    Ranks with lighter rings take more short sequences, hence more micro-batches.
+
+``mode="pp"`` (sequences of similar length travel through the pipeline together): steps 1 and 2
+without the gaps (a pipeline runs its micro-batches in order, so work put before a ring delays
+the pipeline instead of filling a wait). Every rank runs its rings first (the longest sequences),
+then its short sequences sorted longest first and packed next-fit, so a micro-batch holds
+neighbouring lengths; every rank gets the same number of micro-batch slots (a pipeline schedule
+runs a fixed count): a rank with fewer cuts its fullest micro-batch in two, by rows, until it
+has as many or each holds one sequence, then idles in empty slots at the end. Index k then holds
+about the same lengths on every rank, which is what ``Plan.index_imbalance`` measures.
+
+The balance this reaches: the clocks after step 1 and the LPT of step 2 leave
+``max_r work_r - mean_r work_r`` at about one short sequence's cost plus the gaps no short
+sequence fitted, which is small when the batch holds many more short sequences than ranks (the
+usual shape of long-context data, heavy-tailed). It cannot fix a single ring whose per-peer
+work ``w`` exceeds the mean work per rank: the fewest-ranks rule fixes its n.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..errors import OverlapConfigError
+from .cost import HdpCostModel
+from .plan import Plan
+from .shard import Shard, ranks_needed, rows_held
+
+MODES = ("dp", "pp")
+CAPACITY_FLAG = "--hdp-max-tokens-per-rank"
+# An intra-node ring is preferred over an inter-node one that ends earlier by less than this
+# fraction of the ring's duration: the cost model hides most ring traffic behind attention, but
+# an inter-node ring also competes with the gradient all-reduce, which the model leaves out.
+NODE_SLACK = 0.02
+
+
+def check_batch(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, mode: Optional[str] = None
+                ) -> Tuple[int, ...]:
+    """The lengths as a tuple of ints, or a clear error: no ranks, C <= 0, an empty batch, a
+    non-positive length, a sequence no ring of the R ranks can hold, an unknown mode."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"unknown HDP balance mode {mode!r}: use 'dp' (balance every rank's work per "
+                         f"step) or 'pp' (also keep similar lengths at the same micro-batch index, for "
+                         f"pipeline parallelism)")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks (DP x CP) must be a positive integer, got {ranks!r}")
+    if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens <= 0:
+        raise OverlapConfigError(CAPACITY_FLAG, f"must be a positive number of tokens, got {capacity_tokens!r}; "
+                                 f"set it to the tokens one rank fits in a micro-batch (e.g. the sequence "
+                                 f"length of a run without context parallelism)")
+    lens = tuple(seq_lens)
+    if not lens:
+        raise ValueError("empty batch: the global batch has no sequences to schedule (check the data "
+                         "loader and the global batch size)")
+    for i, length in enumerate(lens):
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"sequence {i} has length {length!r}: every sequence needs a positive integer "
+                             f"number of tokens")
+    for i, length in enumerate(lens):
+        if length <= capacity_tokens:
+            continue
+        if capacity_tokens < 2 or ranks_needed(length, capacity_tokens) > ranks:
+            need = 2 * -(-length // (2 * ranks))  # smallest even C with ceil(L / C) <= R
+            raise OverlapConfigError(
+                CAPACITY_FLAG,
+                f"sequence {i} has {length} tokens, more than the {ranks} ranks hold at {capacity_tokens} "
+                f"tokens each (R x C = {ranks * capacity_tokens}; a zigzag shard needs an even C); raise "
+                f"{CAPACITY_FLAG} to at least {need}, use more DP x CP ranks, or truncate the sequence")
+    return lens
+
+
+def local_ms(seq_len: int, cost: HdpCostModel) -> float:
+    """Busy time of a sequence held whole (no ring)."""
+    return cost.compute_ms(seq_len, seq_len * (seq_len + 1) / 2)
+
+
+def ring_ms(seq_len: int, ring: Sequence[int], cost: HdpCostModel) -> float:
+    """Busy time of each peer of ``ring`` for its zigzag shard (the same on every peer)."""
+    n = len(ring)
+    return cost.item_ms(rows_held(seq_len, n), seq_len * (seq_len + 1) / 2 / n, ring)
+
+
+@dataclass
+class _Ring:
+    seq_id: int
+    seq_len: int
+    ring: Tuple[int, ...]
+    start: float
+    end: float
+
+
+def _choose_ring(seq_len: int, n: int, clock: List[float], cost: HdpCostModel) -> Tuple[Tuple[int, ...], float, float]:
+    """(ring, start, end) of the earliest-ending candidate rank set (module docstring, step 1)."""
+    R = len(clock)
+    order = sorted(range(R), key=lambda r: (clock[r], r))
+    candidates = [tuple(sorted(order[:n]))]
+    gpn = cost.gpus_per_node
+    if n <= gpn < R:
+        for node in range(0, R, gpn):
+            members = [r for r in order if node <= r < node + gpn][:n]
+            if len(members) == n:
+                candidates.append(tuple(sorted(members)))
+    scored = []
+    for ring in dict.fromkeys(candidates):  # de-duplicated, order kept
+        start = max(clock[r] for r in ring)
+        w = ring_ms(seq_len, ring, cost)
+        intra = len({r // gpn for r in ring}) == 1
+        spread = sum(start - clock[r] for r in ring)
+        scored.append((start + w, spread, ring, start, w, intra))
+    best_end = min(s[0] for s in scored)
+    intra_ok = [s for s in scored if s[5] and s[0] <= best_end + NODE_SLACK * s[4]]
+    end, _, ring, start, _, _ = min(intra_ok or scored)
+    return ring, start, end
+
+
+def _place_rings(lens: Sequence[int], long_ids: Sequence[int], R: int, C: int, cost: HdpCostModel):
+    """Step 1: rings longest first, each where it ends earliest. Returns (rings, clock, gaps)
+    with gaps[(rank, ring index)] = idle time before that ring on that rank."""
+    clock = [0.0] * R
+    rings: List[_Ring] = []
+    gaps: Dict[Tuple[int, int], float] = {}
+    for i in long_ids:
+        n = ranks_needed(lens[i], C)
+        ring, start, end = _choose_ring(lens[i], n, clock, cost)
+        for r in ring:
+            if start > clock[r]:
+                gaps[(r, len(rings))] = start - clock[r]
+            clock[r] = end
+        rings.append(_Ring(i, lens[i], ring, start, end))
+    return rings, clock, gaps
+
+
+def _fill_gaps(short_ids: Sequence[int], lens: Sequence[int], gaps: Dict[Tuple[int, int], float],
+               cost: HdpCostModel):
+    """Step 2a: best fit of the short sequences (costliest first) into the gaps. Returns
+    ({(rank, ring index): [seq ids]}, the ids left over, in the same order)."""
+    free = sorted((cap, key) for key, cap in gaps.items())
+    filled: Dict[Tuple[int, int], List[int]] = {}
+    rest = []
+    for i in short_ids:
+        c = local_ms(lens[i], cost)
+        k = bisect.bisect_left(free, (c, (-1, -1)))
+        if k == len(free):
+            rest.append(i)
+            continue
+        cap, key = free.pop(k)
+        filled.setdefault(key, []).append(i)
+        if cap - c > 0:
+            bisect.insort(free, (cap - c, key))
+    return filled, rest
+
+
+def _lpt(ids: Sequence[int], lens: Sequence[int], clock: List[float], cost: HdpCostModel) -> List[List[int]]:
+    """Step 2b: each sequence (costliest first) to the rank that ends first."""
+    heap = [(t, r) for r, t in enumerate(clock)]
+    heapq.heapify(heap)
+    out: List[List[int]] = [[] for _ in clock]
+    for i in ids:
+        t, r = heapq.heappop(heap)
+        out[r].append(i)
+        heapq.heappush(heap, (t + local_ms(lens[i], cost), r))
+    return out
+
+
+def pack_first_fit(ids: Sequence[int], lens: Sequence[int], capacity: int) -> List[List[int]]:
+    """First-fit decreasing into micro-batches of at most ``capacity`` rows (ids given longest
+    first; a micro-batch's order is its insertion order)."""
+    bins: List[List[int]] = []
+    room: List[int] = []
+    for i in ids:
+        for b, left in enumerate(room):
+            if lens[i] <= left:
+                bins[b].append(i)
+                room[b] -= lens[i]
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - lens[i])
+    return bins
+
+
+def pack_next_fit(ids: Sequence[int], lens: Sequence[int], capacity: int) -> List[List[int]]:
+    """Next-fit: consecutive ids (sorted by length) share a micro-batch until it is full, so a
+    micro-batch holds neighbouring lengths."""
+    bins: List[List[int]] = []
+    left = 0
+    for i in ids:
+        if not bins or lens[i] > left:
+            bins.append([])
+            left = capacity
+        bins[-1].append(i)
+        left -= lens[i]
+    return bins
+
+
+def split_to(bins: List[List[int]], count: int, lens: Sequence[int]) -> List[List[int]]:
+    """``bins`` (of ids sorted longest first) split until there are ``count`` of them, or every
+    bin holds one sequence: the bin with the most rows is cut in two at its middle row. Bins
+    stay contiguous runs of the sorted ids, so their order is still longest first."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        splittable = [k for k, b in enumerate(bins) if len(b) > 1]
+        if not splittable:
+            break
+        k = max(splittable, key=lambda k: (sum(lens[i] for i in bins[k]), -k))
+        b = bins[k]
+        half, acc, cut = sum(lens[i] for i in b) / 2, 0, 1
+        for j in range(1, len(b)):
+            acc += lens[b[j - 1]]
+            if acc >= half:
+                cut = j
+                break
+        bins[k:k + 1] = [b[:cut], b[cut:]]
+    return bins
+
+
+def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
+                 cost: Optional[HdpCostModel] = None, mode: str = "dp") -> Plan:
+    """The HDP plan of one global batch (module docstring). Raises ``OverlapConfigError`` /
+    ``ValueError`` on bad input (``check_batch``)."""
+    lens = check_batch(seq_lens, ranks, capacity_tokens, mode)
+    cost = cost or HdpCostModel()
+    R, C = ranks, capacity_tokens
+    by_length = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    long_ids = [i for i in by_length if lens[i] > C]
+    short_ids = [i for i in by_length if lens[i] <= C]
+
+    rings, clock, gaps = _place_rings(lens, long_ids, R, C, cost)
+    if mode == "dp":
+        filled, rest = _fill_gaps(short_ids, lens, gaps, cost)
+    else:
+        filled, rest = {}, short_ids
+    tail = _lpt(rest, lens, clock, cost)
+
+    out: List[List[Tuple[Shard, ...]]] = [[] for _ in range(R)]
+
+    def local_mbs(ids):
+        ids = sorted(ids, key=lambda i: (-lens[i], i))
+        return [tuple(Shard(i, lens[i]) for i in b) for b in pack_first_fit(ids, lens, C)]
+
+    for idx in sorted(range(len(rings)), key=lambda j: (rings[j].start, j)):
+        ring = rings[idx]
+        for r in ring.ring:
+            out[r].extend(local_mbs(filled.get((r, idx), [])))
+        slot = max(len(out[r]) for r in ring.ring)
+        for x, r in enumerate(ring.ring):
+            out[r].extend([()] * (slot - len(out[r])))
+            out[r].append((Shard(ring.seq_id, ring.seq_len, ring.ring, x),))
+    if mode == "dp":
+        for r in range(R):
+            out[r].extend(local_mbs(tail[r]))
+    else:
+        bins = [pack_next_fit(sorted(tail[r], key=lambda i: (-lens[i], i)), lens, C) for r in range(R)]
+        slots = max(len(out[r]) + len(bins[r]) for r in range(R))
+        for r in range(R):
+            for b in split_to(bins[r], slots - len(out[r]), lens):
+                out[r].append(tuple(Shard(i, lens[i]) for i in b))
+            out[r].extend([()] * (slots - len(out[r])))
+
+    n_gap = sum(len(v) for v in filled.values())
+    sizes = ", ".join(str(n) for n in sorted({len(x.ring) for x in rings}))
+    notes = [
+        f"{len(rings)} sequences > C on rings of {sizes} ranks" if rings else "no sequence > C: no ring, no CP traffic",
+        f"{len(short_ids)} sequences <= C held whole"
+        + (f", {n_gap} of them in the gaps before rings" if n_gap else ""),
+    ]
+    return Plan(
+        scheduler="hdp",
+        ranks=R,
+        capacity_tokens=C,
+        seq_lens=lens,
+        microbatches=tuple(tuple(mbs) for mbs in out),
+        mode=mode,
+        notes=tuple(notes),
+    )

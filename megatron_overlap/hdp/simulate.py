@@ -1,0 +1,72 @@
+"""A step's timeline from a plan and the cost model: when each rank ends.
+
+Every rank runs its micro-batches in order. A local micro-batch starts when the rank is free. A
+ring starts when all its peers have reached it and ends, for all of them, when the slowest peer's
+share is done (``start + max over peers of item_ms``: ring steps exchange blocks, so no peer runs
+ahead). Between phases all ranks wait for the last one (a barrier). The step ends with the last
+rank::
+
+    step_ms = max_r end_r          idle_r = end_r - work_r  (waiting for ring peers or barriers)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+from .cost import HdpCostModel
+from .plan import Plan
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_ms: float
+    end_ms: List[float]
+    work_ms: List[float]
+
+    @property
+    def idle_ms(self) -> List[float]:
+        return [e - w for e, w in zip(self.end_ms, self.work_ms)]
+
+
+def simulate(plan: Plan, cost: HdpCostModel) -> StepTime:
+    R = plan.ranks
+    dur = [[plan.item_ms(mb, cost) for mb in mbs] for mbs in plan.microbatches]
+    keys = [[plan.ring_key(mb) if plan.ring_of(mb) else None for mb in mbs] for mbs in plan.microbatches]
+    rings = [[plan.ring_of(mb) for mb in mbs] for mbs in plan.microbatches]
+    now = [0.0] * R
+    ptr = [0] * R
+    phase_list = sorted({p for ph in plan.phases for p in ph})
+    for phase in phase_list:
+        start = max(now)
+        now = [start] * R if len(phase_list) > 1 else now
+        waiting = {}  # ring key -> set of ranks arrived
+        remaining = sum(1 for r in range(R) for p in plan.phases[r][ptr[r]:] if p == phase)
+        while remaining:
+            progressed = False
+            for r in range(R):
+                while ptr[r] < len(dur[r]) and plan.phases[r][ptr[r]] == phase:
+                    k = ptr[r]
+                    if keys[r][k] is None:
+                        now[r] += dur[r][k]
+                        ptr[r] += 1
+                        remaining -= 1
+                        progressed = True
+                        continue
+                    arrived = waiting.setdefault(keys[r][k], set())
+                    arrived.add(r)
+                    peers = rings[r][k]
+                    if len(arrived) < len(peers):
+                        break
+                    begin = max(now[p] for p in peers)
+                    end = begin + max(dur[p][ptr[p]] for p in peers)
+                    for p in peers:
+                        now[p] = end
+                        ptr[p] += 1
+                    remaining -= len(peers)
+                    del waiting[keys[r][k]]
+                    progressed = True
+            if not progressed:
+                raise ValueError(f"plan deadlocks in phase {phase}: rings waiting {sorted(waiting)}")
+    work = [sum(d) for d in dur]
+    return StepTime(step_ms=max(now) if now else 0.0, end_ms=now, work_ms=work)
