@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import RS_ALGOS, TP_MODES
+from .config import CP_MODES, RS_ALGOS, TP_MODES
 
 # Every flag the plugin adds, pinned by tests/test_flags.py so none appears by accident and
 # none collides with Megatron-LM's own.
@@ -17,6 +17,11 @@ FLAGS = (
     "--overlap-plan",
     "--overlap-trace",
     "--overlap-trace-iters",
+    "--overlap-cp",
+    "--overlap-cp-a2a-size",
+    "--hdp",
+    "--hdp-max-tokens-per-rank",
+    "--hdp-mode",
 )
 
 
@@ -103,6 +108,46 @@ def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=None,
         metavar="LIST",
         help="Iterations to trace, counted from 0 in this run: '3', '3,5' or '3-5' (default 3).",
+    )
+    group.add_argument(
+        "--overlap-cp",
+        choices=CP_MODES,
+        default="off",
+        help="Context parallelism for Megatron's local attention (--transformer-impl local, "
+        "--context-parallel-size > 1), data sliced as Megatron's get_batch_on_this_cp_rank does. "
+        "ring: K/V blocks travel a P2P ring, the block in hand attended meanwhile (any head "
+        "count); a2a: all-to-all to heads and back (Ulysses; heads per TP rank divisible by CP); "
+        "hybrid: a2a inside groups of --overlap-cp-a2a-size ranks, ring across. off: stock "
+        "(which refuses CP > 1 on the local path).",
+    )
+    group.add_argument(
+        "--overlap-cp-a2a-size",
+        type=int,
+        default=None,
+        metavar="U",
+        help="All-to-all group size of --overlap-cp hybrid (divides the context-parallel size).",
+    )
+    group.add_argument(
+        "--hdp",
+        action="store_true",
+        default=False,
+        help="Hybrid data parallelism: all data-parallel ranks form one group; each sequence gets the "
+        "fewest ranks that hold it (ceil(L / C), a ring over those ranks) and work is balanced across "
+        "ranks. Needs --context-parallel-size 1, --transformer-impl local, packed variable-length data.",
+    )
+    group.add_argument(
+        "--hdp-max-tokens-per-rank",
+        type=int,
+        default=None,
+        metavar="C",
+        help="Tokens one rank holds in one micro-batch under --hdp (padding included).",
+    )
+    group.add_argument(
+        "--hdp-mode",
+        choices=("dp", "pp"),
+        default=None,
+        help="dp (default): balance each rank's total work per step; pp: sequences of similar length "
+        "share a micro-batch index on every rank (scheduler only so far: the runtime refuses PP > 1).",
     )
     return parser
 

@@ -17,6 +17,8 @@ from .errors import OverlapConfigError
 
 TP_MODES = ("off", "p2p", "symm-mem", "fused", "auto")
 RS_ALGOS = ("ring", "a2a")
+CP_MODES = ("off", "ring", "a2a", "hybrid")
+HDP_MODES = ("dp", "pp")
 
 # Flags that only mean something when --overlap-tp is on. Their argparse default is None so
 # that an explicit value given with overlap off can be told apart from "not given".
@@ -61,6 +63,26 @@ class OverlapConfig:
     trace_iterations: frozenset = frozenset({3})
     """Iterations to trace, counted from 0 in this run."""
 
+    cp: str = "off"
+    """Context-parallel attention for Megatron's local ``DotProductAttention``: ``off`` (stock,
+    which refuses CP > 1), ``ring`` (K/V blocks travel a P2P ring while the block in hand is
+    attended), ``a2a`` (Ulysses all-to-all), ``hybrid`` (a2a in groups of ``cp_a2a_size``, ring
+    across)."""
+
+    cp_a2a_size: Optional[int] = None
+    """All-to-all group size U of ``--overlap-cp hybrid`` (divides the CP size)."""
+
+    hdp: bool = False
+    """Hybrid data parallelism (``--hdp``): one DP x CP group; every sequence gets the fewest
+    ranks that hold it (a ring over an explicit rank list), work balanced across ranks."""
+
+    hdp_max_tokens: Optional[int] = None
+    """Tokens one rank holds in one micro-batch (``--hdp-max-tokens-per-rank``), padding included."""
+
+    hdp_mode: str = "dp"
+    """``dp``: balance each rank's total work per step; ``pp``: sequences of similar length share
+    a micro-batch index on every rank (for pipelines)."""
+
     explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
     """Names of the fields the user set explicitly (used only for conflict messages)."""
 
@@ -87,10 +109,40 @@ class OverlapConfig:
             raise OverlapConfigError(
                 "--overlap-trace-iters", "has no effect without --overlap-trace DIR; add it, or drop the iterations"
             )
-        if "overlap_trace_iters" in self.explicit and not self.trace_dir:
+        if self.cp not in CP_MODES:
+            raise OverlapConfigError("--overlap-cp", f"unknown mode {self.cp!r}; choose one of {', '.join(CP_MODES)}")
+        if self.cp_a2a_size is not None:
+            if self.cp != "hybrid":
+                raise OverlapConfigError(
+                    "--overlap-cp-a2a-size",
+                    f"only applies to --overlap-cp hybrid (got --overlap-cp {self.cp}); drop it or use hybrid",
+                )
+            if isinstance(self.cp_a2a_size, bool) or not isinstance(self.cp_a2a_size, int) or self.cp_a2a_size < 1:
+                raise OverlapConfigError("--overlap-cp-a2a-size", f"must be a positive whole number, got {self.cp_a2a_size!r}")
+        if self.cp == "hybrid" and self.cp_a2a_size is None:
             raise OverlapConfigError(
-                "--overlap-trace-iters", "has no effect without --overlap-trace DIR; add it, or drop the iterations"
+                "--overlap-cp-a2a-size",
+                "--overlap-cp hybrid needs --overlap-cp-a2a-size U: all-to-all inside groups of U "
+                "consecutive context-parallel ranks, a ring across the groups",
             )
+        if self.hdp_mode not in HDP_MODES:
+            raise OverlapConfigError("--hdp-mode", f"unknown mode {self.hdp_mode!r}; choose dp or pp")
+        if not self.hdp and ("hdp_max_tokens" in self.explicit or "hdp_mode" in self.explicit):
+            raise OverlapConfigError(
+                "--hdp-max-tokens-per-rank" if "hdp_max_tokens" in self.explicit else "--hdp-mode",
+                "only applies with --hdp; add --hdp, or drop it")
+        if self.hdp:
+            if self.hdp_max_tokens is None:
+                raise OverlapConfigError(
+                    "--hdp-max-tokens-per-rank",
+                    "--hdp needs the tokens one rank may hold in a micro-batch (--hdp-max-tokens-per-rank C, "
+                    "e.g. your --seq-length): longer sequences are sharded over ceil(L / C) ranks")
+            if isinstance(self.hdp_max_tokens, bool) or not isinstance(self.hdp_max_tokens, int) or self.hdp_max_tokens <= 0:
+                raise OverlapConfigError("--hdp-max-tokens-per-rank", f"must be a positive number of tokens, got {self.hdp_max_tokens!r}")
+            if self.cp_enabled:
+                raise OverlapConfigError(
+                    "--overlap-cp", "--hdp chooses a ring for every sequence itself; drop --overlap-cp (and keep "
+                    "--context-parallel-size 1)")
         if self.autotune and self.plan_file:
             raise OverlapConfigError(
                 "--overlap-plan", "and --overlap-autotune both choose the decompositions; pass one of them"
@@ -123,6 +175,10 @@ class OverlapConfig:
         return self.tp != "off"
 
     @property
+    def cp_enabled(self) -> bool:
+        return self.cp != "off"
+
+    @property
     def rs_algo(self) -> str:
         """The reduce-scatter algorithm in force (the fused backend's is always a2a)."""
         return "a2a" if self.tp == "fused" else self.tp_rs
@@ -130,6 +186,12 @@ class OverlapConfig:
     def as_flags(self) -> list[str]:
         """The command-line flags that reproduce this config."""
         flags = ["--overlap-tp", self.tp]
+        if self.hdp:
+            flags += ["--hdp", "--hdp-max-tokens-per-rank", str(self.hdp_max_tokens), "--hdp-mode", self.hdp_mode]
+        if self.cp_enabled:
+            flags += ["--overlap-cp", self.cp]
+            if self.cp == "hybrid":
+                flags += ["--overlap-cp-a2a-size", str(self.cp_a2a_size)]
         if self.trace_dir:
             flags += ["--overlap-trace", self.trace_dir,
                       "--overlap-trace-iters", ",".join(str(i) for i in sorted(self.trace_iterations))]
@@ -156,6 +218,10 @@ class OverlapConfig:
                 "megatron_overlap.add_overlap_args (or pass it as Megatron's extra_args_provider)"
             )
         explicit = {name for name in _TP_DEPENDENT if getattr(args, name, None) is not None}
+        if getattr(args, "hdp_max_tokens_per_rank", None) is not None:
+            explicit.add("hdp_max_tokens")
+        if getattr(args, "hdp_mode", None) is not None:
+            explicit.add("hdp_mode")
         iterations = getattr(args, "overlap_trace_iters", None)
         if iterations is not None:
             explicit.add("overlap_trace_iters")
@@ -173,6 +239,11 @@ class OverlapConfig:
             trace_dir=getattr(args, "overlap_trace", None),
             autotune=bool(getattr(args, "overlap_autotune", None) or False),
             plan_file=getattr(args, "overlap_plan", None),
+            cp=getattr(args, "overlap_cp", None) or "off",
+            cp_a2a_size=getattr(args, "overlap_cp_a2a_size", None),
+            hdp=bool(getattr(args, "hdp", False)),
+            hdp_max_tokens=getattr(args, "hdp_max_tokens_per_rank", None),
+            hdp_mode=getattr(args, "hdp_mode", None) or "dp",
         )
         if iterations is not None:
             values["trace_iterations"] = iterations
@@ -199,6 +270,11 @@ class ModelContext:
     tp_comm_overlap: bool = False
     seq_length: Optional[int] = None
     micro_batch_size: Optional[int] = None
+    cp_size: Optional[int] = None
+    heads: Optional[int] = None
+    kv_heads: Optional[int] = None
+    packed: bool = False  # variable-length packed batches (THD): lengths checked per batch
+    pp_size: Optional[int] = None
 
     @classmethod
     def from_megatron_args(cls, args: argparse.Namespace) -> "ModelContext":
@@ -209,6 +285,12 @@ class ModelContext:
             tp_comm_overlap=bool(getattr(args, "tp_comm_overlap", False)),
             seq_length=getattr(args, "seq_length", None),
             micro_batch_size=getattr(args, "micro_batch_size", None),
+            cp_size=getattr(args, "context_parallel_size", None),
+            heads=getattr(args, "num_attention_heads", None),
+            kv_heads=(getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False)
+                      else getattr(args, "num_attention_heads", None)),
+            packed=bool(getattr(args, "reset_attention_mask", False)),
+            pp_size=getattr(args, "pipeline_model_parallel_size", None),
         )
 
 
@@ -269,6 +351,81 @@ def check_model(config: OverlapConfig, ctx: ModelContext) -> None:
                 f"{ctx.tp_size}) into {config.tp_chunks // ctx.tp_size} chunks; use "
                 f"--overlap-tp-chunks <= {rows * ctx.tp_size} (or 0 to let the plugin choose)",
             )
+
+
+def check_hdp_model(config: OverlapConfig, ctx: ModelContext) -> None:
+    """Refuse model settings the ``--hdp`` runtime cannot honour. Unknown fields pass."""
+    if not config.hdp:
+        return
+    if ctx.cp_size is not None and ctx.cp_size > 1:
+        raise OverlapConfigError(
+            "--context-parallel-size",
+            f"--hdp merges data and context parallelism into one group and picks each sequence's ring "
+            f"itself; set --context-parallel-size 1 (got {ctx.cp_size})")
+    if ctx.pp_size is not None and ctx.pp_size > 1:
+        hint = ("--hdp-mode pp orders micro-batches for pipelines in the scheduler and `bench hdp`, but the "
+                "runtime does not drive Megatron's pipeline schedules yet") if config.hdp_mode == "pp" else (
+                "--hdp-mode dp balances whole steps and would let pipeline stages drift apart; --hdp-mode pp is "
+                "the pipeline mode (scheduler and `bench hdp` only so far)")
+        raise OverlapConfigError(
+            "--hdp", f"with --pipeline-model-parallel-size {ctx.pp_size} is not supported: {hint}. "
+            "Use --pipeline-model-parallel-size 1 with --hdp")
+    if ctx.transformer_impl == "transformer_engine":
+        raise OverlapConfigError(
+            "--hdp", "runs its rings through Megatron's local attention; pass --transformer-impl local")
+
+
+def check_cp_model(config: OverlapConfig, ctx: ModelContext) -> None:
+    """Refuse context-parallel settings the local attention cannot honour. Unknown fields pass;
+    the same checks run again when a patched attention layer is built."""
+    check_hdp_model(config, ctx)
+    cp = ctx.cp_size
+    if cp is None or cp <= 1:
+        if config.cp_enabled and cp == 1:
+            _notice_cp_size_one(config)
+        return
+    if ctx.transformer_impl == "transformer_engine":
+        if config.cp_enabled:
+            raise OverlapConfigError(
+                "--overlap-cp",
+                "patches Megatron's local DotProductAttention, but --transformer-impl "
+                "transformer_engine runs TE's attention, which does context parallelism itself "
+                "(--cp-comm-type); pass --transformer-impl local, or drop --overlap-cp",
+            )
+        return
+    if not config.cp_enabled:
+        if ctx.transformer_impl == "local":
+            raise OverlapConfigError(
+                "--overlap-cp",
+                f"--context-parallel-size {cp} with --transformer-impl local: Megatron's local "
+                "attention has no context parallelism (it asserts CP == 1). Add --overlap-cp ring "
+                "(any head count), a2a or hybrid, or use Transformer Engine",
+            )
+        return
+    from .cp.attention import check_cp_config
+
+    tp = ctx.tp_size or 1
+    heads = ctx.heads // tp if ctx.heads is not None and ctx.heads % tp == 0 else None
+    kv = ctx.kv_heads // tp if ctx.kv_heads is not None and ctx.kv_heads % tp == 0 else None
+    seq = None if ctx.packed else ctx.seq_length
+    if heads is None or kv is None:  # heads unknown: check the rest, heads at the layer
+        if config.cp == "hybrid":
+            from .cp.hybrid import check_hybrid_size
+
+            check_hybrid_size(cp, config.cp_a2a_size)
+        if seq is not None:
+            from .cp.attention import check_seq_length
+
+            check_seq_length(seq, cp)
+        return
+    check_cp_config(config.cp, cp, heads, kv, config.cp_a2a_size, seq)
+
+
+def _notice_cp_size_one(config: OverlapConfig) -> None:
+    import logging
+
+    logging.getLogger("megatron_overlap").info(
+        "--overlap-cp %s with --context-parallel-size 1: nothing to do, stock attention", config.cp)
 
 
 def chunks_per_rank(config: OverlapConfig, tp_size: int, rows_per_rank: int, batch: int = 1) -> int:

@@ -8,7 +8,15 @@ class OverlapConfigError(ValueError):
     what would work instead.
     """
 
-    def __init__(self, flag: str, message: str):
+    def __init__(self, flag: str, message: str = None):
+        if message is None:
+            # Re-raised from its own text (Megatron's build_module does ``type(e)(f"{e} when
+            # instantiating ...")``): "--flag: message ..." keeps its flag.
+            text = flag
+            flag = text.split(": ", 1)[0] if text.startswith("--") and ": " in text else None
+            self.flag = flag
+            super().__init__(text)
+            return
         self.flag = flag
         super().__init__(f"{flag}: {message}")
 

@@ -5,6 +5,7 @@
 | ``layers.linear_with_grad_accumulation_and_async_allreduce`` | ``_column_linear`` | Megatron's ColumnParallelLinear takes a pluggable AG-GEMM |
 | (and its re-export ``tensor_parallel.<same name>``)          |                    | |
 | ``layers.RowParallelLinear.forward``                         | ``_row_forward``  | Megatron's RowParallelLinear takes a pluggable GEMM-RS |
+| ``DotProductAttention.__init__`` / ``.forward`` (``megatron.core.transformer.dot_product_attention``) | ``_attention_init`` / ``_attention_forward`` (``--overlap-cp``) | Megatron's local attention supports CP |
 
 ``ColumnParallelLinear._forward_impl`` looks the module-level function up at call time, so
 replacing it there reaches every Column layer. RowParallelLinear runs its GEMM and its
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from . import compat
 from .comm.rings import split_pieces
-from .config import ModelContext, OverlapConfig, check_model, chunks_per_rank, tp_overlap_applies
+from .config import ModelContext, OverlapConfig, check_cp_model, check_model, chunks_per_rank, tp_overlap_applies
 from .errors import OverlapConfigError
 from .ops.backends import P2PBackend, TPBackend, refuse
 from .ops.linear import ColumnParallelSP, PrefetchRegistry, RowParallelSP, TPPlan
@@ -138,15 +139,17 @@ def install(args_or_config: Union[OverlapConfig, Any]) -> OverlapConfig:
     """
     global _installation
     config = OverlapConfig.from_args(args_or_config)
-    if not config.enabled and not config.trace_dir:
-        uninstall()  # nothing to patch, nothing to check: also no Megatron version needed
-        return config
     is_full_megatron_args = hasattr(args_or_config, "tensor_model_parallel_size")
     context = (
         ModelContext.from_megatron_args(args_or_config) if is_full_megatron_args else ModelContext()
     )
+    if not config.enabled and not config.trace_dir and not config.cp_enabled and not config.hdp:
+        check_cp_model(config, context)  # CP > 1 on the local path needs --overlap-cp
+        uninstall()  # nothing to patch, nothing to check: also no Megatron version needed
+        return config
     compat.check_megatron_version()
     check_model(config, context)
+    check_cp_model(config, context)
 
     if _installation is not None:
         if _installation.config == config and _installation.context == context:
@@ -158,7 +161,8 @@ def install(args_or_config: Union[OverlapConfig, Any]) -> OverlapConfig:
             f"--overlap-tp {config.tp} has nothing to overlap with tensor-parallel size 1; "
             "running stock Megatron"
         )
-    if not tp_on and not config.trace_dir:
+    cp_on = (config.cp_enabled and (context.cp_size is None or context.cp_size > 1)) or config.hdp
+    if not tp_on and not config.trace_dir and not cp_on:
         return config
 
     if tp_on and config.tp == "auto" and not (config.autotune or config.plan_file) and is_full_megatron_args:
@@ -171,6 +175,7 @@ def install(args_or_config: Union[OverlapConfig, Any]) -> OverlapConfig:
 
             inst.tuner = PlanTuner(config.autotune, load_plan_file(config.plan_file) if config.plan_file else None)
         _patch_linears(inst)
+    _patch_attention(inst, forward=cp_on)
     if config.trace_dir:
         _patch_train_step(inst)
     _installation = inst
@@ -216,6 +221,120 @@ def _patch_linears(inst: Installation) -> None:
         inst.set_attr(tensor_parallel, _LINEAR_FN, column)
     inst.set_attr(layers.RowParallelLinear, "forward", _row_forward(inst, layers.RowParallelLinear.__dict__["forward"]))
     _notice(f"TP overlap on ({inst.backend.name}): {' '.join(inst.config.as_flags())}")
+
+
+def _patch_attention(inst: Installation, forward: bool) -> None:
+    """``--overlap-cp`` / ``--hdp`` (``forward``): Megatron's local ``DotProductAttention`` runs
+    context-parallel attention when its config has CP > 1 (its own ``__init__`` asserts CP == 1,
+    so it runs with CP set to 1 for the duration of the call), or under an HDP ring context;
+    layers with CP == 1 keep the stock code. Without them only ``__init__`` is wrapped, and only
+    where Megatron would assert: CP > 1 gets an error that names ``--overlap-cp``."""
+    from megatron.core.transformer import dot_product_attention as dpa
+
+    cls = dpa.DotProductAttention
+    inst.set_attr(cls, "__init__", _attention_init(inst, cls.__dict__["__init__"]))
+    if not forward:
+        return
+    inst.set_attr(cls, "forward", _attention_forward(cls.__dict__["forward"]))
+    if compat.transformer_engine_version() is not None:
+        _notice("Transformer Engine is installed: --overlap-cp patches Megatron's local attention "
+                "only (--transformer-impl local); TE's attention keeps its own context parallelism")
+    _notice(f"context-parallel attention on: {' '.join(inst.config.as_flags()[2:])}")
+
+
+def _attention_init(inst: Installation, original):
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        cp = getattr(config, "context_parallel_size", 1)
+        if cp <= 1:
+            return original(self, config, *args, **kwargs)
+        check_cp_model(inst.config, ModelContext(cp_size=cp, transformer_impl="local"))
+        bound = signature.bind(self, config, *args, **kwargs).arguments
+        dropout = bound.get("attention_dropout")
+        dropout = config.attention_dropout if dropout is None else dropout
+        if dropout:
+            raise OverlapConfigError(
+                "--attention-dropout", f"context-parallel attention (--overlap-cp) runs without attention "
+                f"dropout; got {dropout}. Set --attention-dropout 0")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla" or getattr(config, "window_size", None):
+            raise OverlapConfigError(
+                "--overlap-cp", "context-parallel attention supports the vanilla softmax without a sliding "
+                f"window; got softmax_type={config.softmax_type!r}, window_size={config.window_size!r}")
+        config.context_parallel_size = 1  # Megatron's local attention asserts CP == 1
+        try:
+            original(self, config, *args, **kwargs)
+        finally:
+            config.context_parallel_size = cp
+        pg = bound.get("pg_collection")
+        group = getattr(pg, "cp", None) if pg is not None else None
+        if group is None:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_context_parallel_group()
+        if group.size() != cp:
+            raise OverlapConfigError(
+                "--context-parallel-size", f"the context-parallel group has {group.size()} ranks, the config says {cp}")
+        from .cp.attention import check_cp_config
+
+        check_cp_config(inst.config.cp, cp, self.num_attention_heads_per_partition,
+                        self.num_query_groups_per_partition, inst.config.cp_a2a_size)
+        scale = self.softmax_scale
+        if config.apply_query_key_layer_scaling:  # stock: scores / coeff, then softmax(x * coeff)
+            scale *= self.layer_number
+        self._overlap_cp = dict(mode=inst.config.cp, group=group, scale=scale, a2a_size=inst.config.cp_a2a_size)
+
+    return __init__
+
+
+def _attention_forward(original):
+    @functools.wraps(original)
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        from .cp import context
+
+        ring = context.current()
+        if ring is not None:  # --hdp: the micro-batch's own ring (or one rank), packed layout
+            if attention_bias is not None:
+                raise OverlapConfigError("--hdp", "hybrid data parallelism takes no attention bias")
+            from .cp.attention import cp_attention
+
+            scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+            return cp_attention(query, key, value, mode="ring",
+                                causal=_is_causal(attn_mask_type or self.attn_mask_type, ring.packed),
+                                group=ring.group, ranks=ring.ranks, softmax_scale=scale,
+                                packed=ring.packed if ring.packed is not None else packed_seq_params)
+        cp = getattr(self, "_overlap_cp", None)
+        if cp is None:
+            return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
+        if attention_bias is not None:
+            raise OverlapConfigError("--overlap-cp", "context-parallel attention takes no attention bias")
+        from .cp.attention import cp_attention
+
+        return cp_attention(query, key, value, mode=cp["mode"], causal=_is_causal(attn_mask_type or self.attn_mask_type, packed_seq_params),
+                            group=cp["group"], softmax_scale=cp["scale"], packed=packed_seq_params,
+                            a2a_size=cp["a2a_size"])
+
+    return forward
+
+
+def _is_causal(mask_type, packed) -> bool:
+    """Causal or no mask; the mask tensor itself is not read (as with Transformer Engine): under
+    CP each rank holds zigzag chunks, and the causal structure follows from their positions;
+    with packed sequences the padding is known from ``cu_seqlens``."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if mask_type in (AttnMaskType.causal, AttnMaskType.causal_bottom_right, AttnMaskType.padding_causal):
+        return True
+    if mask_type == AttnMaskType.no_mask or (mask_type == AttnMaskType.padding and packed is not None):
+        return False
+    raise OverlapConfigError(
+        "--overlap-cp", f"context-parallel attention supports causal and unmasked attention, not {mask_type.name} "
+        "(with packed sequences, document boundaries come from cu_seqlens)")
 
 
 def _patch_train_step(inst: Installation) -> None:

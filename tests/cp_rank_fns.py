@@ -261,3 +261,49 @@ def config_errors() -> dict:
     bad = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)  # no padding to 2 x CP
     attempt("packed_unpadded", torch.randn(6, HQ, D), torch.randn(6, HK, D), mode="ring", causal=True, packed=bad)
     return out
+
+
+# --------------------------------------------------------------------------- tiny GPT under CP
+def _install(flags):
+    import megatron_overlap
+
+    megatron_overlap.uninstall()
+    if flags:
+        megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(flags))
+
+
+def gpt_losses_cp(tp: int, cp: int, steps: int, flags: list) -> list:
+    """The tiny GPT (GQA 8/2, RoPE) trained with TP=tp, CP=cp, DP=4/(tp*cp); the batch of each
+    CP rank cut by Megatron's own get_batch_on_this_cp_rank (tiny_gpt.batch)."""
+    from megatron_overlap.testing import tiny_gpt
+
+    _install(flags)
+    try:
+        return tiny_gpt.train(tiny_gpt.TinyGPT(), tp=tp, steps=steps, cp=cp)
+    finally:
+        _install([])
+
+
+def cp_layer_errors() -> dict:
+    """What building Megatron's local attention with CP=2 says: stock (Megatron's assertion),
+    the plugin installed for TP only (our error naming --overlap-cp), and --overlap-cp a2a with
+    heads that do not divide (8 query / 2 KV heads at CP=4: error naming ring)."""
+    from megatron_overlap.errors import OverlapConfigError
+    from megatron_overlap.testing import tiny_gpt
+
+    out = {}
+    for name, cp, flags in (("stock", 2, []), ("tp_only", 2, ["--overlap-tp", "p2p"]),
+                            ("a2a_heads", 4, ["--overlap-cp", "a2a"])):
+        tiny_gpt.init_parallel(1, cp=cp)
+        _install(flags)
+        try:
+            tiny_gpt.build(tiny_gpt.TinyGPT(), 1, context_parallel_size=cp)
+            out[name] = None
+        except OverlapConfigError as err:
+            out[name] = ("plugin", err.flag, str(err))
+        except AssertionError as err:
+            out[name] = ("megatron", None, str(err))
+        finally:
+            _install([])
+    tiny_gpt.init_parallel(1)
+    return out

@@ -33,6 +33,11 @@ def test_flag_set_is_pinned():
         "--overlap-plan",
         "--overlap-trace",
         "--overlap-trace-iters",
+        "--overlap-cp",
+        "--overlap-cp-a2a-size",
+        "--hdp",
+        "--hdp-max-tokens-per-rank",
+        "--hdp-mode",
     }
 
 
@@ -41,13 +46,28 @@ def test_no_flag_collides_with_megatron():
     for flag in megatron_overlap.FLAGS:
         assert flag not in MEGATRON_FLAGS
         # Megatron parses with allow_abbrev=False, but no Megatron flag may start with ours
-        # either, or a user's typo would silently pick the other one.
-        assert not any(m.startswith(flag) for m in MEGATRON_FLAGS), flag
+        # either, or a user's typo would silently pick the other one. One known exception,
+        # checked below: --overlap-cp is a prefix of Megatron's --overlap-cpu-optimizer-d2h-h2d.
+        prefixed = {m for m in MEGATRON_FLAGS if m.startswith(flag) and m != flag}
+        assert prefixed <= ({"--overlap-cpu-optimizer-d2h-h2d"} if flag == "--overlap-cp" else set()), flag
     # and our dests do not shadow a field Megatron reads from args
     megatron_dests = {m[2:].replace("-", "_") for m in MEGATRON_FLAGS}
     parser = add_overlap_args(argparse.ArgumentParser())
     ours = {a.dest for a in parser._actions if a.option_strings and a.dest != "help"}
     assert not ours & megatron_dests
+
+
+def test_overlap_cp_never_turns_on_megatrons_cpu_optimizer_flag():
+    parser = argparse.ArgumentParser(allow_abbrev=False)  # as Megatron builds it
+    parser.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true")
+    add_overlap_args(parser)
+    args = parser.parse_args(["--overlap-cp", "ring"])
+    assert args.overlap_cp == "ring" and args.overlap_cpu_optimizer_d2h_h2d is False
+    # without the plugin the flag is refused loudly, never taken as an abbreviation
+    bare = argparse.ArgumentParser(allow_abbrev=False)
+    bare.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true")
+    with pytest.raises(SystemExit):
+        bare.parse_args(["--overlap-cp", "ring"])
 
 
 def test_usable_as_extra_args_provider():
@@ -97,8 +117,14 @@ def test_pieces_cover_the_shard_exactly():
 
 
 # --------------------------------------------------------------------------- bad input
-def megatron_args(*flags, tp=4, sp=True, impl="local", tp_comm_overlap=False, seq=64):
+def megatron_args(*flags, tp=4, sp=True, impl="local", tp_comm_overlap=False, seq=64, cp=1, pp=1,
+                  heads=8, kv_heads=2):
     args = parse(*flags)
+    args.context_parallel_size = cp
+    args.pipeline_model_parallel_size = pp
+    args.num_attention_heads = heads
+    args.group_query_attention = kv_heads != heads
+    args.num_query_groups = kv_heads
     args.tensor_model_parallel_size = tp
     args.sequence_parallel = sp
     args.transformer_impl = impl
@@ -132,6 +158,22 @@ def parser_error(capsys, *flags) -> str:
         (["--overlap-tp", "p2p", "--overlap-autotune", "--overlap-plan", "p.json"], {}, "--overlap-plan", "pass one of them"),
         (["--overlap-tp", "p2p", "--overlap-plan", "/nonexistent/plan.json"], {}, "--overlap-plan", "cannot read"),
         (["--overlap-trace", "/tmp/t", "--overlap-trace-iters", "x"], {}, "--overlap-trace-iters", "expected e.g."),
+        ([], dict(tp=1, cp=2), "--overlap-cp", "--overlap-cp ring"),
+        (["--overlap-tp", "p2p"], dict(tp=2, cp=2), "--overlap-cp", "asserts CP == 1"),
+        (["--overlap-cp", "ring"], dict(tp=1, cp=4, seq=100), "--seq-length", "2 x context-parallel size = 8"),
+        (["--overlap-cp", "a2a"], dict(tp=1, cp=4), "--overlap-cp", "--overlap-cp ring"),
+        (["--overlap-cp", "a2a"], dict(tp=2, cp=2), "--overlap-cp", "1 key/value heads"),
+        (["--overlap-cp", "hybrid", "--overlap-cp-a2a-size", "3"], dict(tp=1, cp=4), "--overlap-cp-a2a-size", "dividing"),
+        (["--overlap-cp", "hybrid"], dict(tp=1, cp=4), "--overlap-cp-a2a-size", "needs --overlap-cp-a2a-size"),
+        (["--overlap-cp", "ring", "--overlap-cp-a2a-size", "2"], {}, "--overlap-cp-a2a-size", "only applies to --overlap-cp hybrid"),
+        (["--overlap-cp", "ring"], dict(tp=1, cp=2, impl="transformer_engine"), "--overlap-cp", "--transformer-impl local"),
+        (["--hdp"], dict(tp=1), "--hdp-max-tokens-per-rank", "--hdp needs"),
+        (["--hdp", "--hdp-max-tokens-per-rank", "0"], dict(tp=1), "--hdp-max-tokens-per-rank", "positive"),
+        (["--hdp-max-tokens-per-rank", "64"], dict(tp=1), "--hdp-max-tokens-per-rank", "only applies with --hdp"),
+        (["--hdp", "--hdp-max-tokens-per-rank", "64", "--overlap-cp", "ring"], dict(tp=1), "--overlap-cp", "drop --overlap-cp"),
+        (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, cp=2), "--context-parallel-size", "--context-parallel-size 1"),
+        (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, pp=2), "--hdp", "--hdp-mode pp is the pipeline mode"),
+        (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp"], dict(tp=1, pp=2), "--hdp", "does not drive Megatron's pipeline"),
     ],
     ids=[
         "overlap-without-sp",
@@ -149,6 +191,22 @@ def parser_error(capsys, *flags) -> str:
         "autotune-and-plan",
         "missing-plan-file",
         "bad-trace-iters",
+        "cp-on-local-path-without-overlap-cp",
+        "cp-with-tp-overlap-only",
+        "cp-seq-not-multiple-of-2cp",
+        "cp-a2a-gqa-heads",
+        "cp-a2a-heads-after-tp",
+        "cp-hybrid-size-not-dividing",
+        "cp-hybrid-without-size",
+        "cp-a2a-size-without-hybrid",
+        "cp-with-te-attention",
+        "hdp-without-capacity",
+        "hdp-zero-capacity",
+        "hdp-capacity-without-hdp",
+        "hdp-with-overlap-cp",
+        "hdp-with-cp-size",
+        "hdp-dp-mode-with-pp",
+        "hdp-pp-mode-with-pp",
     ],
 )
 def test_invalid_configurations_name_the_flag(flags, kwargs, flag, words):

@@ -15,9 +15,10 @@ from .test_config import megatron_args, parse
 def _snapshot():
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import layers, mappings
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     owners = [layers, mappings, tensor_parallel, layers.ColumnParallelLinear, layers.RowParallelLinear,
-              layers.LinearWithGradAccumulationAndAsyncCommunication]
+              layers.LinearWithGradAccumulationAndAsyncCommunication, DotProductAttention]
     return {(id(o), k): v for o in owners for k, v in vars(o).items()}
 
 
@@ -36,6 +37,21 @@ def test_install_uninstall_restores_every_attribute():
     after = _snapshot()
     assert after.keys() == before.keys()
     assert all(after[k] is before[k] for k in before)
+
+
+def test_overlap_cp_patches_attention_and_uninstall_restores_it():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    before = _snapshot()
+    megatron_overlap.install(parse("--overlap-cp", "ring"))
+    assert DotProductAttention.forward is not before[(id(DotProductAttention), "forward")]
+    assert DotProductAttention.__init__ is not before[(id(DotProductAttention), "__init__")]
+    megatron_overlap.uninstall()
+    after = _snapshot()
+    assert all(after[k] is before[k] for k in before)
+    # CP off: the forward is Megatron's own (only __init__ is wrapped, to name --overlap-cp)
+    megatron_overlap.install(parse("--overlap-tp", "p2p"))
+    assert DotProductAttention.forward is before[(id(DotProductAttention), "forward")]
 
 
 def test_install_is_idempotent_and_reconfigurable():

@@ -68,6 +68,11 @@ def apply(enable_grad_accum_fusion: bool = True) -> None:
     torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
     torch.cuda.random.set_rng_state = torch.cuda.set_rng_state
     torch.cuda.empty_cache = lambda: None
+    # Megatron stages small index tensors through pinned memory and .cuda() (e.g. RoPE under
+    # context parallelism, rope_utils.get_pos_emb_on_this_cp_rank): on CPU, plain tensors.
+    _tensor = torch.tensor
+    torch.tensor = lambda *a, pin_memory=False, **k: _tensor(*a, **k)
+    torch.Tensor.cuda = lambda self, *a, **k: self
 
     from megatron.core.tensor_parallel import random as mrandom
 

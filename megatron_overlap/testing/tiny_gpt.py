@@ -32,14 +32,15 @@ class TinyGPT:
     normalization: str = "RMSNorm"
 
 
-def init_parallel(tp: int, seed: int = 1234) -> None:
-    """(Re)initialise Megatron's parallel state with TP=tp, DP=world/tp, and seed its RNGs."""
+def init_parallel(tp: int, seed: int = 1234, cp: int = 1) -> None:
+    """(Re)initialise Megatron's parallel state with TP=tp, CP=cp, DP=world/(tp*cp), and seed
+    its RNGs."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -124,8 +125,8 @@ def wrap_ddp(model, overlap_grad_reduce: bool, bucket_size: Optional[int] = 4096
 
 
 def batch(spec: TinyGPT, step: int, seed: int = 7):
-    """A deterministic synthetic batch for this data-parallel rank: tokens follow a noisy
-    affine rule so the loss has something to learn."""
+    """A deterministic synthetic batch for this data-parallel rank (its context-parallel share of
+    it under CP): tokens follow a noisy affine rule so the loss has something to learn."""
     from megatron.core import parallel_state
 
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -139,6 +140,14 @@ def batch(spec: TinyGPT, step: int, seed: int = 7):
     tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
     position_ids = pos[:-1].unsqueeze(0).expand(spec.micro_batch, -1).contiguous()
     mask = torch.triu(torch.ones(1, 1, spec.seq, spec.seq, dtype=torch.bool), diagonal=1)
+    if parallel_state.get_context_parallel_world_size() > 1:
+        # Megatron's own zigzag slicing (chunks i and 2*CP-1-i of every sequence)
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        sliced = get_batch_on_this_cp_rank(
+            {"tokens": tokens, "labels": labels, "position_ids": position_ids, "attention_mask": mask}
+        )
+        tokens, labels, position_ids, mask = (sliced[k] for k in ("tokens", "labels", "position_ids", "attention_mask"))
     return tokens, labels, position_ids, mask
 
 
@@ -158,14 +167,17 @@ def train_step(ddp_model, spec: TinyGPT, step: int, lr: float = 1e-2) -> float:
         for param in ddp_model.module.parameters():
             param.add_(param.main_grad, alpha=-lr)
     reported = loss.detach().clone()
-    dist.all_reduce(reported, group=parallel_state.get_data_parallel_group())
-    return reported.item() / parallel_state.get_data_parallel_world_size()
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dist.all_reduce(reported, group=group)
+    return reported.item() / dist.get_world_size(group)
 
 
 def train(spec: TinyGPT, tp: int, steps: int, overlap_grad_reduce: bool = False,
-          on_step: Optional[Callable[[int, float], None]] = None, **config_overrides) -> list[float]:
+          on_step: Optional[Callable[[int, float], None]] = None, cp: int = 1, **config_overrides) -> list[float]:
     """Build, wrap in DDP and train ``steps`` steps; the losses, identical on every rank."""
-    init_parallel(tp)
+    init_parallel(tp, cp=cp)
+    if cp > 1:
+        config_overrides.setdefault("context_parallel_size", cp)
     model = build(spec, tp, **config_overrides)
     ddp_model = wrap_ddp(model, overlap_grad_reduce)
     losses = []
