@@ -5,6 +5,14 @@ twice, side by side: stock Megatron and the plugin, step for step on the same em
 (one egress port per rank, bandwidth calibrated so a step's transfers take as long as its
 GEMMs). Prints the per-step losses of both (they agree), step time, exposed communication and
 the fraction of communication hidden; writes a PNG timeline of one transformer layer per rank.
+
+``--cp N --overlap-cp MODE``: context parallelism on Megatron's local attention (which has none
+without the plugin). World = TP x CP (DP 1) unless ``--world`` says otherwise. Both models run
+CP=N; the baseline is the ring with every transfer waited for before its block is computed,
+the other the chosen mode overlapped (plus ``--overlap-tp p2p`` when TP > 1). The link is
+calibrated so that a step's transfers take ``--comm-ratio`` x its attention-block compute (and
+GEMMs, with TP > 1). That CP training equals training without CP is shown by the tests
+(tests/test_cp_training.py), not here: one process cannot hold two parallel layouts at once.
 """
 
 from __future__ import annotations
@@ -45,6 +53,9 @@ class DemoConfig:
     bidirectional: bool = False
     seed: int = 1234
     trace_dir: str = ""  # --trace: Chrome traces of the last step (both modes), per rank
+    cp: int = 1
+    overlap_cp: str = "ring"
+    cp_a2a_size: int = 0
 
     def model(self):
         from .testing.tiny_gpt import TinyGPT
@@ -53,8 +64,22 @@ class DemoConfig:
                        kv_heads=self.kv_heads, vocab=self.vocab, seq=self.seq, micro_batch=self.micro_batch)
 
     def overlap_flags(self) -> list[str]:
-        flags = ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(self.chunks), "--overlap-tp-rs", self.rs]
-        return flags + (["--overlap-tp-bidirectional"] if self.bidirectional else [])
+        if self.cp > 1 and self.tp == 1:
+            flags = []
+        else:
+            flags = ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(self.chunks), "--overlap-tp-rs", self.rs]
+            flags += ["--overlap-tp-bidirectional"] if self.bidirectional else []
+        return flags + self.cp_flags(self.overlap_cp)
+
+    def cp_flags(self, mode: str) -> list[str]:
+        if self.cp <= 1:
+            return []
+        flags = ["--overlap-cp", mode]
+        return flags + (["--overlap-cp-a2a-size", str(self.cp_a2a_size)] if mode == "hybrid" else [])
+
+    def baseline_flags(self) -> list[str]:
+        """Stock Megatron; under CP the ring with its transfers waited (stock has no CP here)."""
+        return self.cp_flags("ring")
 
 
 # --------------------------------------------------------------------------- rank side
@@ -72,9 +97,11 @@ class _Session:
         self.cfg = cfg
         self.spec = cfg.model()
         self.overlap_args = megatron_overlap.overlap_parser().parse_args(cfg.overlap_flags())
-        tiny_gpt.init_parallel(cfg.tp, seed=cfg.seed)
+        self.baseline_args = megatron_overlap.overlap_parser().parse_args(cfg.baseline_flags())
+        tiny_gpt.init_parallel(cfg.tp, seed=cfg.seed, cp=cfg.cp)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.models = {mode: self._build(mode) for mode in ("calibration", "baseline", "overlap")}
+        megatron_overlap.uninstall()
         self.windows = {}
         self._hook_layer(self.models["baseline"], "baseline")
         self._hook_layer(self.models["overlap"], "overlap")
@@ -86,13 +113,22 @@ class _Session:
         self.link = EmulatedLink(spec).install()
 
     def _build(self, mode):
+        import megatron_overlap
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         from .testing import tiny_gpt
 
         torch.manual_seed(self.cfg.seed)
         model_parallel_cuda_manual_seed(self.cfg.seed)
-        return tiny_gpt.wrap_ddp(tiny_gpt.build(self.spec, self.cfg.tp), overlap_grad_reduce=True)
+        if self.cfg.cp == 1:
+            return tiny_gpt.wrap_ddp(tiny_gpt.build(self.spec, self.cfg.tp), overlap_grad_reduce=True)
+        # CP attention is set up when the layer is built: under the flags the model will run with
+        megatron_overlap.install(self.overlap_args if mode == "overlap" else self.baseline_args)
+        model = tiny_gpt.build(self.spec, self.cfg.tp, context_parallel_size=self.cfg.cp)
+        if mode != "overlap":
+            for layer in model.decoder.layers:
+                layer.self_attention.core_attention._overlap_cp["overlap"] = False
+        return tiny_gpt.wrap_ddp(model, overlap_grad_reduce=True)
 
     def _hook_layer(self, ddp_model, mode):
         """Record when layer 0's forward and backward start and end (the timeline's window).
@@ -130,14 +166,21 @@ class _Session:
         from .comm.emulated_link import EmulatedLink, LinkSpec
         from .testing import tiny_gpt
 
+        import megatron_overlap
+
+        if self.cfg.cp > 1:
+            megatron_overlap.install(self.baseline_args)
         with EmulatedLink(free_spec) as probe:
             tiny_gpt.train_step(self.models["calibration"], self.spec, 0, lr=self.cfg.lr)  # warm
             probe.reset()
             dist.barrier()
-            with _timed_matmuls() as gemm:
+            with _timed_matmuls() as gemm, _timed_attention_blocks() as attention:
                 tiny_gpt.train_step(self.models["calibration"], self.spec, 1, lr=self.cfg.lr)
             nbytes = probe.reset().total_bytes
-        volume = torch.tensor([float(nbytes), gemm.seconds])
+        megatron_overlap.uninstall()
+        # TP transfers hide behind the GEMMs, ring transfers behind the attention blocks
+        seconds = (gemm.seconds if self.cfg.tp > 1 else 0.0) + (attention.seconds if self.cfg.cp > 1 else 0.0)
+        volume = torch.tensor([float(nbytes), seconds])
         dist.all_reduce(volume, op=dist.ReduceOp.MAX)
         bandwidth = volume[0].item() / (volume[1].item() * self.cfg.comm_ratio) / 1e9
         return LinkSpec(bandwidth_GBps=bandwidth, latency_us=self.cfg.latency_us)
@@ -153,6 +196,8 @@ class _Session:
         for mode in ("baseline", "overlap"):
             if mode == "overlap":
                 megatron_overlap.install(self.overlap_args)
+            elif self.cfg.cp > 1:
+                megatron_overlap.install(self.baseline_args)
             tracer = StepTracer(self.cfg.trace_dir, {index} if record and self.cfg.trace_dir else (),
                                 rank=dist.get_rank(), label=mode, link=self.link)
             self.link.record_spans = record
@@ -205,6 +250,35 @@ class _timed_matmuls:
         torch.matmul, torch.Tensor.matmul = self._saved
 
 
+class _timed_attention_blocks:
+    """Sum the time spent in the ring's block attention, forward and backward, while the block
+    runs (the compute a ring transfer can hide behind)."""
+
+    def __enter__(self):
+        from .cp import ring
+
+        self.seconds = 0.0
+        self._saved = (ring.block_attention, ring.block_backward)
+
+        def timed(fn):
+            def wrapper(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - t0
+
+            return wrapper
+
+        ring.block_attention, ring.block_backward = (timed(f) for f in self._saved)
+        return self
+
+    def __exit__(self, *exc):
+        from .cp import ring
+
+        ring.block_attention, ring.block_backward = self._saved
+
+
 _session: Optional[_Session] = None  # rank-side state of the demo process, not of the plugin
 
 
@@ -231,10 +305,10 @@ def run(cfg: DemoConfig, out_dir: str = "runs/demo", progress: bool = True) -> d
 
     from .testing.rank_pool import RankPool
 
-    if cfg.world % cfg.tp:
-        raise SystemExit(f"demo: --tp {cfg.tp} must divide --world {cfg.world}")
+    if cfg.world % (cfg.tp * cfg.cp):
+        raise SystemExit(f"demo: --tp {cfg.tp} x --cp {cfg.cp} must divide --world {cfg.world}")
     os.makedirs(out_dir, exist_ok=True)
-    bar = tqdm(total=cfg.steps + 1, desc="starting 4 gloo ranks", disable=not progress, unit="step")
+    bar = tqdm(total=cfg.steps + 1, desc=f"starting {cfg.world} gloo ranks", disable=not progress, unit="step")
     per_step = []
     with RankPool(cfg.world, timeout=1800, threads_per_rank=1) as pool:
         link = pool.run(_setup, asdict(cfg))[0]
@@ -297,29 +371,38 @@ def write_timeline(cfg: DemoConfig, last_step: list, path: str) -> str:
         width = max(w for _, w in spans.values())
         for mode in ("baseline", "overlap"):
             label = "stock Megatron" if mode == "baseline" else "megatron-overlap"
+            if cfg.cp > 1:
+                label = "ring, transfers waited" if mode == "baseline" else f"--overlap-cp {cfg.overlap_cp}"
             panels.append(timeline.Panel(f"{label}: layer 0 {phase}", width, spans[mode][0]))
-    return timeline.draw(
-        panels, path,
-        title=f"tiny GPT, TP={cfg.tp} x DP={cfg.world // cfg.tp}, emulated link, one layer of the last step",
-    )
+    return timeline.draw(panels, path, title=f"tiny GPT, {_layout(cfg)}, emulated link, one layer of the last step")
+
+
+def _layout(cfg) -> str:
+    cfg = cfg if isinstance(cfg, dict) else asdict(cfg)
+    parts = [f"TP={cfg['tp']}"] + ([f"CP={cfg['cp']}"] if cfg["cp"] > 1 else [])
+    return " x ".join(parts + [f"DP={cfg['world'] // (cfg['tp'] * cfg['cp'])}"])
 
 
 def format_table(result: dict) -> str:
     cfg, link = result["config"], result["link"]
     lines = [
         f"tiny GPT ({cfg['layers']} layers, hidden {cfg['hidden']}, seq {cfg['seq']}), "
-        f"{cfg['world']} gloo ranks: TP={cfg['tp']} x DP={cfg['world'] // cfg['tp']}, SP, 1 thread/rank",
+        f"{cfg['world']} gloo ranks: {_layout(cfg)}{', SP' if cfg['tp'] > 1 else ''}, 1 thread/rank",
         f"emulated link: {link['bandwidth_GBps']:.3f} GB/s egress per rank, {link['latency_us']:.0f} us/message",
         "",
         f"{'step':>4}  {'loss stock':>11}  {'loss overlap':>12}",
     ]
     for i, (a, b) in enumerate(zip(result["baseline"]["losses"], result["overlap"]["losses"])):
         lines.append(f"{i:>4}  {a:>11.6f}  {b:>12.6f}")
+    labels = (("baseline", "stock Megatron"), ("overlap", "megatron-overlap"))
+    if cfg["cp"] > 1:
+        lines[3] = f"{'step':>4}  {'loss waited':>11}  {'loss overlap':>12}"
+        labels = (("baseline", "ring, waited"), ("overlap", f"cp {cfg['overlap_cp']}"))
     lines += [
         "",
         f"{'':18}{'step ms':>9}{'comm ms':>9}{'exposed comm ms':>17}{'hidden':>8}",
     ]
-    for mode, label in (("baseline", "stock Megatron"), ("overlap", "megatron-overlap")):
+    for mode, label in labels:
         r = result[mode]
         lines.append(f"{label:18}{r['step_ms']:>9.1f}{r['comm_ms']:>9.1f}{r['exposed_comm_ms']:>17.1f}"
                      f"{100 * r['hidden_fraction']:>7.0f}%")
@@ -335,7 +418,7 @@ def format_table(result: dict) -> str:
             f"note: {cfg['world']} ranks share {cores} CPU cores, so a rank that waits on the link lends its",
             "core to another and compute, not the link, bounds the step: the exposed-communication",
             "and hidden columns show the overlap; step times understate it. For timing with one",
-            "rank per core: megatron-overlap bench mlp",
+            "rank per core: megatron-overlap bench " + ("attention" if cfg["cp"] > 1 else "mlp"),
         ]
     return "\n".join(lines)
 
@@ -344,8 +427,9 @@ def add_demo_args(parser: argparse.ArgumentParser):
     d = DemoConfig()
     parser.add_argument("--steps", type=int, default=d.steps)
     parser.add_argument("--warmup", type=int, default=d.warmup, help="steps left out of the timing")
-    parser.add_argument("--world", type=int, default=d.world, help="gloo ranks")
-    parser.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (divides --world)")
+    parser.add_argument("--world", type=int, default=None, help="gloo ranks (default 4; TP x CP with --cp)")
+    parser.add_argument("--tp", type=int, default=None,
+                        help=f"tensor-parallel size (divides --world; default {d.tp}, 1 with --cp)")
     parser.add_argument("--seq", type=int, default=d.seq)
     parser.add_argument("--hidden", type=int, default=d.hidden)
     parser.add_argument("--layers", type=int, default=d.layers)
@@ -357,6 +441,10 @@ def add_demo_args(parser: argparse.ArgumentParser):
     parser.add_argument("--overlap-tp-chunks", dest="chunks", type=int, default=d.chunks)
     parser.add_argument("--overlap-tp-rs", dest="rs", choices=("ring", "a2a"), default=d.rs)
     parser.add_argument("--overlap-tp-bidirectional", dest="bidirectional", action="store_true")
+    parser.add_argument("--cp", type=int, default=d.cp,
+                        help="context-parallel size: CP on Megatron's local attention through --overlap-cp")
+    parser.add_argument("--overlap-cp", dest="overlap_cp", choices=("ring", "a2a", "hybrid"), default=d.overlap_cp)
+    parser.add_argument("--overlap-cp-a2a-size", dest="cp_a2a_size", type=int, default=d.cp_a2a_size)
     parser.add_argument("--out", default="runs/demo", help="directory for timeline.png and result.json")
     parser.add_argument("--trace", dest="trace_dir", default="", metavar="DIR",
                         help="also write per-rank Chrome traces of the last step (both modes) to DIR; "
@@ -367,7 +455,11 @@ def add_demo_args(parser: argparse.ArgumentParser):
 
 def main(args) -> int:
     names = {f.name for f in fields(DemoConfig)}
-    cfg = DemoConfig(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    cp = values.get("cp", 1)
+    values.setdefault("tp", 1 if cp > 1 else DemoConfig().tp)  # --cp alone: pure context parallelism
+    values.setdefault("world", values["tp"] * cp if cp > 1 else DemoConfig().world)
+    cfg = DemoConfig(**values)
     result = run(cfg, out_dir=args.out, progress=not args.no_progress)
     print(format_table(result))
     if args.json:

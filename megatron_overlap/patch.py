@@ -285,7 +285,9 @@ def _attention_init(inst: Installation, original):
         scale = self.softmax_scale
         if config.apply_query_key_layer_scaling:  # stock: scores / coeff, then softmax(x * coeff)
             scale *= self.layer_number
-        self._overlap_cp = dict(mode=inst.config.cp, group=group, scale=scale, a2a_size=inst.config.cp_a2a_size)
+        # "overlap": False waits for each ring block before computing (the demo's baseline only)
+        self._overlap_cp = dict(mode=inst.config.cp, group=group, scale=scale, a2a_size=inst.config.cp_a2a_size,
+                                overlap=True)
 
     return __init__
 
@@ -317,7 +319,7 @@ def _attention_forward(original):
 
         return cp_attention(query, key, value, mode=cp["mode"], causal=_is_causal(attn_mask_type or self.attn_mask_type, packed_seq_params),
                             group=cp["group"], softmax_scale=cp["scale"], packed=packed_seq_params,
-                            a2a_size=cp["a2a_size"])
+                            a2a_size=cp["a2a_size"], overlap=cp["overlap"])
 
     return forward
 

@@ -212,3 +212,35 @@ def test_plan_cli_gives_the_seeds_pcie_share():
     assert {"hardware", "model", "strategies", "best"} <= set(plan)
     published = cli("plan", "--published")
     assert published.returncode == 0 and published.stdout.count("\n| ") >= 5  # >= 4 published rows
+
+
+def test_bench_attention_smoke():
+    out = cli("bench", "attention", "--cp", "2", "--seq", "128", "--heads", "4", "--kv-heads", "2",
+              "--head-dim", "8", "--steps", "1", "--warmup", "1", "--no-progress", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["max_rel_diff_overlap_vs_serial"] == 0.0  # same blocks, same merge order
+    assert result["overlap"]["bytes_per_step"] == result["serial"]["bytes_per_step"] > 0
+    assert result["work_max_over_mean"] <= 1.05  # zigzag: equal causal work per rank
+    assert {"limit_ms", "speedup_vs_serial", "overlap_vs_limit"} <= set(result)
+    assert "x limit" in out.stdout
+
+
+def test_bench_attention_refuses_a_bad_sequence_length():
+    out = cli("bench", "attention", "--cp", "4", "--seq", "100", "--no-progress")
+    assert out.returncode == 2 and "--seq 100 must be a multiple of 2 x CP = 8" in out.stderr
+
+
+@pytest.mark.parametrize("mode", ["ring", "hybrid"])
+def test_demo_context_parallel(tmp_path, mode):
+    extra = ["--overlap-cp-a2a-size", "2"] if mode == "hybrid" else []
+    out = cli("demo", "--cp", "4", "--overlap-cp", mode, *extra, "--steps", "2", "--warmup", "1", "--seq", "128",
+              "--hidden", "128", "--layers", "1", "--no-progress", "--json", "--out", str(tmp_path), timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["config"]["world"] == 4 and result["config"]["tp"] == 1 and result["config"]["cp"] == 4
+    for a, b in zip(result["baseline"]["losses"], result["overlap"]["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(a)
+    assert result["overlap"]["comm_ms"] > 0
+    assert "TP=1 x CP=4 x DP=1" in out.stdout and f"cp {mode}" in out.stdout
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000

@@ -48,3 +48,39 @@ def mlp_main(args) -> int:
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def add_attention_args(parser: argparse.ArgumentParser):
+    from .attention import AttentionBench
+
+    d = AttentionBench()
+    parser.add_argument("--cp", type=int, default=d.cp, help="ring size = ranks (one per core is the fair setting)")
+    parser.add_argument("--seq", type=int, default=d.seq, help="whole sequence; each rank holds seq / cp rows")
+    parser.add_argument("--heads", type=int, default=d.heads)
+    parser.add_argument("--kv-heads", type=int, default=d.kv_heads)
+    parser.add_argument("--head-dim", type=int, default=d.head_dim)
+    parser.add_argument("--micro-batch", type=int, default=d.micro_batch)
+    parser.add_argument("--no-causal", dest="causal", action="store_false", help="attention without a mask")
+    parser.add_argument("--steps", type=int, default=d.steps, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument("--comm-ratio", type=float, default=d.comm_ratio,
+                        help="link calibrated so one K/V block's transfer = ratio x one block's forward")
+    parser.add_argument("--latency-us", type=float, default=d.latency_us)
+    parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def attention_main(args) -> int:
+    from .attention import AttentionBench, format_table, run
+
+    fields = AttentionBench.__dataclass_fields__
+    try:
+        cfg = AttentionBench(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+    except ValueError as exc:
+        print(f"megatron-overlap bench attention: {exc}", file=__import__("sys").stderr)
+        return 2
+    result = run(cfg, progress=not args.no_progress)
+    print(format_table(result))
+    if args.json:
+        print(json.dumps(result))
+    return 0

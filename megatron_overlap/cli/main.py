@@ -34,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     from ..bench.cli import add_mlp_args
 
     add_mlp_args(bench_sub.add_parser("mlp", help="MLP block fwd+bwd, stock vs overlap, emulated link"))
+    from ..bench.cli import add_attention_args
+
+    add_attention_args(bench_sub.add_parser(
+        "attention", help="ring attention fwd+bwd (context parallelism), overlapped vs waited, emulated link"))
     from ..hdp.bench import add_hdp_args
 
     add_hdp_args(bench_sub.add_parser(
@@ -90,6 +94,10 @@ def main(argv=None) -> int:
         from ..hdp.bench import hdp_main
 
         return hdp_main(args)
+    if args.command == "bench" and args.bench == "attention":
+        from ..bench.cli import attention_main
+
+        return attention_main(args)
     if args.command == "bench" and args.bench == "mlp":
         from ..bench.cli import mlp_main
 
