@@ -373,6 +373,10 @@ def check_hdp_model(config: OverlapConfig, ctx: ModelContext) -> None:
     if ctx.transformer_impl == "transformer_engine":
         raise OverlapConfigError(
             "--hdp", "runs its rings through Megatron's local attention; pass --transformer-impl local")
+    if ctx.tp_size is not None and ctx.tp_size > 1:
+        raise OverlapConfigError(
+            "--hdp", f"with --tensor-model-parallel-size {ctx.tp_size} is not supported yet: the runtime shards "
+            "sequences across data-parallel ranks only. Use TP 1 with --hdp")
 
 
 def check_cp_model(config: OverlapConfig, ctx: ModelContext) -> None:

@@ -423,6 +423,12 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _table_only(line: str) -> None:
+    """--no-progress: the HDP demo's table without its progress lines."""
+    if not line.startswith(("[", "HDP demo:")):
+        print(line)
+
+
 def add_demo_args(parser: argparse.ArgumentParser):
     d = DemoConfig()
     parser.add_argument("--steps", type=int, default=d.steps)
@@ -445,6 +451,11 @@ def add_demo_args(parser: argparse.ArgumentParser):
                         help="context-parallel size: CP on Megatron's local attention through --overlap-cp")
     parser.add_argument("--overlap-cp", dest="overlap_cp", choices=("ring", "a2a", "hybrid"), default=d.overlap_cp)
     parser.add_argument("--overlap-cp-a2a-size", dest="cp_a2a_size", type=int, default=d.cp_a2a_size)
+    parser.add_argument("--hdp", action="store_true",
+                        help="instead: hybrid data parallelism on 4 ranks, a mixed-length batch, per-rank busy "
+                        "time of a static CP layout vs the HDP plan (same loss and gradients)")
+    parser.add_argument("--hdp-max-tokens-per-rank", dest="hdp_capacity", type=int, default=None, metavar="C",
+                        help="with --hdp: tokens per rank per micro-batch (default: the demo's)")
     parser.add_argument("--out", default="runs/demo", help="directory for timeline.png and result.json")
     parser.add_argument("--trace", dest="trace_dir", default="", metavar="DIR",
                         help="also write per-rank Chrome traces of the last step (both modes) to DIR; "
@@ -454,6 +465,14 @@ def add_demo_args(parser: argparse.ArgumentParser):
 
 
 def main(args) -> int:
+    if getattr(args, "hdp", False):
+        from .hdp.demo import DEFAULT_CAPACITY, run_hdp_demo
+
+        result = run_hdp_demo(out=print if not args.no_progress else _table_only,
+                              capacity=args.hdp_capacity or DEFAULT_CAPACITY)
+        if args.json:
+            print(json.dumps(result))
+        return 0
     names = {f.name for f in fields(DemoConfig)}
     values = {k: v for k, v in vars(args).items() if k in names and v is not None}
     cp = values.get("cp", 1)

@@ -244,3 +244,14 @@ def test_demo_context_parallel(tmp_path, mode):
     assert result["overlap"]["comm_ms"] > 0
     assert "TP=1 x CP=4 x DP=1" in out.stdout and f"cp {mode}" in out.stdout
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+def test_demo_hdp_cli():
+    out = cli("demo", "--hdp", "--no-progress", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["grad_rel_diff"] <= 1e-5
+    static, hdp = result["layouts"]["static"], result["layouts"]["hdp"]
+    assert static["loss"] == pytest.approx(hdp["loss"], rel=1e-5)
+    assert sorted(hdp["ring_sizes"]) != sorted(static["ring_sizes"])  # HDP shards fewer sequences
+    assert "[1/4]" not in out.stdout and "max/mean" in out.stdout

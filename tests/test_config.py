@@ -174,6 +174,7 @@ def parser_error(capsys, *flags) -> str:
         (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, cp=2), "--context-parallel-size", "--context-parallel-size 1"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, pp=2), "--hdp", "--hdp-mode pp is the pipeline mode"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp"], dict(tp=1, pp=2), "--hdp", "does not drive Megatron's pipeline"),
+        (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=2), "--hdp", "Use TP 1 with --hdp"),
     ],
     ids=[
         "overlap-without-sp",
@@ -207,6 +208,7 @@ def parser_error(capsys, *flags) -> str:
         "hdp-with-cp-size",
         "hdp-dp-mode-with-pp",
         "hdp-pp-mode-with-pp",
+        "hdp-with-tp",
     ],
 )
 def test_invalid_configurations_name_the_flag(flags, kwargs, flag, words):

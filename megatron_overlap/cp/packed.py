@@ -9,6 +9,10 @@ document, document after document::
 
     local rows of rank r = [doc0 chunk r, doc0 chunk 2n-1-r, doc1 chunk r, doc1 chunk 2n-1-r, ...]
 
+A "ring" of one rank (n = 1: ``--hdp``'s micro-batches of short sequences held whole) cuts
+nothing: the multiple is 1, the rank holds every document whole and needs no padding (as
+Megatron's ``get_thd_batch_on_this_cp_rank`` leaves a batch alone at CP = 1).
+
 Attention is per document: a query token sees the keys of its own document (up to itself when
 causal); padding tokens are never seen and see nothing (their output and gradients are 0).
 """
@@ -31,18 +35,28 @@ def _lengths(cu: torch.Tensor) -> torch.Tensor:
     return cu[1:] - cu[:-1]
 
 
+def pad_multiple(cp_size: int) -> int:
+    """Padded document lengths are multiples of this: ``2 * cp_size`` (two chunks per rank), 1 at
+    ``cp_size == 1`` (documents held whole, nothing cut)."""
+    return 2 * cp_size if cp_size > 1 else 1
+
+
 def pad_cu_seqlens(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
-    """Offsets of the padded batch: every document rounded up to a multiple of ``2 * cp_size``."""
+    """Offsets of the padded batch: every document rounded up to a multiple of ``pad_multiple``
+    (``2 * cp_size``; unchanged at ``cp_size == 1``)."""
     cu = cu_seqlens.long().cpu()
-    m = 2 * cp_size
+    m = pad_multiple(cp_size)
     padded = (_lengths(cu) + m - 1) // m * m
     return torch.cat([cu.new_zeros(1), padded.cumsum(0)]).to(cu_seqlens.dtype)
 
 
 def partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Rows of the padded batch that CP rank ``cp_rank`` holds (TE's
-    ``thd_get_partitioned_indices``): per document, chunks ``cp_rank`` and ``2n-1-cp_rank``."""
+    ``thd_get_partitioned_indices``): per document, chunks ``cp_rank`` and ``2n-1-cp_rank``; every
+    row at ``cp_size == 1``."""
     cu = cu_seqlens_padded.long().cpu()
+    if cp_size == 1:
+        return torch.arange(int(cu[-1]))
     parts = []
     for start, length in zip(cu[:-1].tolist(), _lengths(cu).tolist()):
         if length % (2 * cp_size):
@@ -111,7 +125,7 @@ class PackedSpec:
         lengths, padded = _lengths(cu), _lengths(cup)
         if (lengths < 0).any() or (padded < lengths).any():
             raise ValueError(f"padded document lengths {padded.tolist()} shorter than the real ones {lengths.tolist()}")
-        m = 2 * cp_size
+        m = pad_multiple(cp_size)
         if (padded % m).any():
             raise OverlapConfigError(
                 "--overlap-cp",

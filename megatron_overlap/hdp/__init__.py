@@ -9,8 +9,12 @@ ceil(L / C) ranks, every rank's work per step balanced.
     scheduler.py   the HDP scheduler (``schedule_hdp``)
     baselines.py   ``static`` CP and megatron-core's ``BalancedCPScheduler``, as plans
     bench.py       ``megatron-overlap bench hdp``: the three on the same batches and cost model
+    runtime.py     ``--hdp`` on real ranks: lengths all-gathered, the plan, the sample exchange,
+                   micro-batches with their rings and true positions, exact loss normalisation
+    demo.py        ``run_hdp_demo``: static CP vs HDP on 4 CPU gloo ranks, per-rank busy time
 
-Nothing here communicates; megatron-core's scheduler is imported only when
+Only ``runtime`` (and ``demo``, through it) communicates, and neither is imported here (they
+need torch and megatron-core); megatron-core's scheduler is imported only when
 ``schedule_megatron_balanced`` runs.
 """
 

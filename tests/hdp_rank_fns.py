@@ -1,0 +1,233 @@
+"""HDP runtime functions the tests run on every rank of the pool (module-level, so the pool can
+import them by name). Every rank draws the whole global batch from one seed, keeps its own share
+as "what its data iterator loaded", and computes the single-process reference itself."""
+
+from __future__ import annotations
+
+import itertools
+import traceback
+
+import torch
+import torch.distributed as dist
+
+# Per rank, the lengths of the samples it loads. C = 32 on 4 ranks: 70 -> a ring of 3 ranks,
+# 61 and 40 -> rings of 2, the rest held whole and packed; rank 3 loads one short sample only.
+LENGTHS = ((70, 9, 17), (40, 5), (30, 23, 61, 12), (3,))
+CAPACITY = 32
+VOCAB = 512
+
+
+def _install(capacity: int):
+    import megatron_overlap
+
+    megatron_overlap.uninstall()
+    megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(
+        ["--hdp", "--hdp-max-tokens-per-rank", str(capacity)]))
+
+
+def _uninstall():
+    import megatron_overlap
+
+    megatron_overlap.uninstall()
+
+
+def global_samples(seed: int, lengths=LENGTHS):
+    """Every rank's samples (lists per rank), the same on every rank: random tokens and labels,
+    about one token in eight masked out of the loss."""
+    from megatron_overlap.hdp.runtime import Sample
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for lens in lengths:
+        mine = []
+        for L in lens:
+            tokens = torch.randint(0, VOCAB, (L,), generator=gen)
+            labels = torch.randint(0, VOCAB, (L,), generator=gen)
+            mask = (torch.rand(L, generator=gen) > 0.125).float()
+            mine.append(Sample(tokens, labels, mask))
+        out.append(mine)
+    return out
+
+
+def build_model(position: str, seq: int):
+    """The tiny GPT of ``testing.tiny_gpt`` (local spec, fp32, TP 1) with a choice of position
+    embedding (tiny_gpt.build fixes rope)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_overlap.testing.tiny_gpt import TinyGPT, _SPNorm, transformer_config
+
+    spec = TinyGPT(seq=seq, vocab=VOCAB)
+    config = transformer_config(spec, 1, sequence_parallel=False)
+    layer = get_gpt_layer_local_spec(normalization=spec.normalization)
+    layer.submodules.input_layernorm = _SPNorm
+    layer.submodules.pre_mlp_layernorm = _SPNorm
+    block = TransformerBlockSubmodules(layer_specs=[layer] * spec.num_layers, layer_norm=_SPNorm)
+    return GPTModel(config=config, transformer_layer_spec=block, vocab_size=spec.vocab, max_sequence_length=spec.seq,
+                    position_embedding_type=position, share_embeddings_and_output_weights=False)
+
+
+def _grads(model) -> dict:
+    return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+
+
+def _zero(model):
+    for p in model.parameters():
+        p.grad = None
+
+
+def _rel(a: dict, b: dict) -> dict:
+    return {n: ((a[n].double() - b[n].double()).norm() / b[n].double().norm().clamp_min(1e-30)).item() for n in b}
+
+
+def _total_rel(a: dict, b: dict) -> float:
+    num = sum(((a[n].double() - b[n].double()) ** 2).sum() for n in b)
+    den = sum((b[n].double() ** 2).sum() for n in b)
+    return float((num / den).sqrt())
+
+
+def reference(model, samples) -> float:
+    """One process, the whole batch: each sequence alone with a causal mask and positions
+    0..L-1 (stock Megatron attention, no ring context); mean over every loss-weighted token."""
+    total_tokens = sum(float(s.loss_mask.sum()) for rank in samples for s in rank)
+    loss_sum = 0.0
+    for s in itertools.chain.from_iterable(samples):
+        L = len(s)
+        mask = torch.triu(torch.ones(1, 1, L, L, dtype=torch.bool), diagonal=1)
+        losses = model(s.tokens[None], torch.arange(L)[None], mask, labels=s.labels[None])
+        loss = (losses.float().reshape(-1) * s.loss_mask).sum() / total_tokens
+        loss.backward()
+        loss_sum += loss.item()
+    return loss_sum
+
+
+def exactness(seed: int, position: str = "rope") -> dict:
+    """HDP on the 4 ranks against the one-process reference: loss and every gradient, through
+    ``forward_backward`` and through the Megatron-style iterator + ``forward_step``."""
+    from megatron_overlap.hdp import runtime as hdp
+    from megatron_overlap.testing.tiny_gpt import init_parallel
+
+    init_parallel(1, seed=seed)
+    _install(CAPACITY)
+    try:
+        me = dist.get_rank()
+        samples = global_samples(seed)
+        model = build_model(position, seq=max(itertools.chain.from_iterable(LENGTHS)))
+        ref_loss = reference(model, samples)
+        ref = _grads(model)
+        _zero(model)
+
+        rt = hdp.HdpRuntime.from_config()  # Megatron's DP group (CP = 1): all 4 ranks
+        step = rt.step(samples[me])
+        step.plan.validate()
+        result = hdp.forward_backward(model, step)
+        loss = hdp.reduce_loss(result.loss, rt.group)
+        local = _grads(model)
+        # What dividing by this rank's own token count and averaging over ranks would give (the
+        # usual DP recipe): not the global mean when ranks hold different token counts.
+        mine = float(sum(mb.loss_mask.sum() for mb in step.microbatches))
+        wrong_scale = step.global_tokens / (mine * rt.size) if mine else 0.0
+        wrong = {n: g * wrong_scale for n, g in local.items()}
+        flat = torch.cat([g.reshape(-1) for g in wrong.values()])
+        dist.all_reduce(flat, group=rt.group)
+        offset = 0
+        for n, g in wrong.items():
+            wrong[n] = flat[offset:offset + g.numel()].view_as(g)
+            offset += g.numel()
+        hdp.reduce_gradients(model, rt.group)
+        got = _grads(model)
+
+        # Megatron-style: iterator, forward_step, loss sums backward, grads / all-reduced count
+        _zero(model)
+        it = hdp.HdpDataIterator(iter([samples[me]]), rt)
+        n = it.start_step()
+        count = torch.zeros((), dtype=torch.float64)
+        for _ in range(n):
+            output, loss_func = hdp.forward_step(it, model)
+            loss_sum, num_tokens, _report = loss_func(output)
+            loss_sum.backward()
+            count += num_tokens.double()
+        dist.all_reduce(count, group=rt.group)
+        hdp.reduce_gradients(model, rt.group)
+        for p in model.parameters():
+            p.grad /= count
+        iter_grads = _grads(model)
+        return dict(
+            rank=me,
+            loss=loss, ref_loss=ref_loss,
+            grad_rel=_rel(got, ref), grad_total_rel=_total_rel(got, ref),
+            iter_grad_rel=_rel(iter_grads, ref), iter_count=float(count), global_tokens=step.global_tokens,
+            wrong_total_rel=_total_rel(wrong, ref),
+            ring_sizes=sorted(step.plan.ring_sizes().values()),
+            my_rings=[len(mb.ring) for mb in step.microbatches],
+            microbatches=step.num_microbatches, iterator_microbatches=n, moved_tokens=step.moved_tokens,
+            signature=repr(step.plan.microbatches), lengths=list(step.seq_lens),
+        )
+    finally:
+        _uninstall()
+
+
+def one_rank_ring(seed: int) -> dict:
+    """``cp_attention`` on a ring of one rank (``ranks=[me]``) with packed documents of odd
+    lengths, unpadded, every rank at once: against single-rank attention per document."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_overlap.cp import cp_attention, pad_cu_seqlens, reference_attention
+
+    me = dist.get_rank()
+    docs = (5, 17, 1, 23, 8)[me % 2:]
+    cu = torch.tensor([0, *itertools.accumulate(docs)], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(seed + me)
+    total = sum(docs)
+    q, k, v, dout = (torch.randn(total, h, 16, generator=gen) for h in (4, 2, 2, 4))
+    out = {}
+    for causal in (True, False):
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = reference_attention(*ref_in, causal=causal, cu_seqlens=cu)
+        ref.backward(dout)
+        local = [t.clone().requires_grad_() for t in (q, k, v)]
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                                 cu_seqlens_kv_padded=cu, max_seqlen_q=max(docs), max_seqlen_kv=max(docs))
+        got = cp_attention(*local, mode="ring", causal=causal, group=dist.group.WORLD, ranks=[me], packed=params)
+        got.backward(dout.reshape(total, -1))
+        rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
+        out[causal] = dict(out=rel(got.reshape(ref.shape), ref.detach()),
+                           dq=rel(local[0].grad, ref_in[0].grad), dk=rel(local[1].grad, ref_in[1].grad),
+                           dv=rel(local[2].grad, ref_in[2].grad))
+    out["pad_unchanged"] = bool(torch.equal(pad_cu_seqlens(cu, 1), cu))
+    return out
+
+
+def _error(fn) -> tuple:
+    try:
+        fn()
+    except Exception as exc:  # the error under test
+        return type(exc).__name__, getattr(exc, "flag", None), str(exc)
+    return None, None, traceback.format_stack()[-1]
+
+
+def runtime_errors(seed: int) -> dict:
+    """The runtime's refusals, each raised the same way on every rank (after the all-gather)."""
+    from megatron_overlap.hdp import runtime as hdp
+
+    _install(CAPACITY)
+    try:
+        me = dist.get_rank()
+        rt = hdp.HdpRuntime(CAPACITY, group=dist.group.WORLD)
+        out = {}
+        out["empty"] = _error(lambda: rt.step([]))
+        too_long = global_samples(seed, lengths=((5,), (200,), (), (7,)))
+        out["too_long"] = _error(lambda: rt.step(too_long[me]))
+        mb = rt.step(global_samples(seed, lengths=((3,), (4,), (5,), (6,)))[me]).microbatches[0]
+        _uninstall()
+        out["not_installed"] = _error(lambda: mb.context().__enter__())
+
+        class Fake(torch.nn.Module):
+            position_embedding_type = "yarn"
+
+        out["yarn"] = _error(lambda: hdp.check_model(Fake()))
+        out["no_local_attention"] = _error(lambda: hdp.check_model(torch.nn.Linear(2, 2)))
+        return out
+    finally:
+        _uninstall()
