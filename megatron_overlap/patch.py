@@ -235,7 +235,7 @@ def _patch_attention(inst: Installation, forward: bool) -> None:
     inst.set_attr(cls, "__init__", _attention_init(inst, cls.__dict__["__init__"]))
     if not forward:
         return
-    inst.set_attr(cls, "forward", _attention_forward(cls.__dict__["forward"]))
+    inst.set_attr(cls, "forward", _attention_forward(inst, cls.__dict__["forward"]))
     if compat.transformer_engine_version() is not None:
         _notice("Transformer Engine is installed: --overlap-cp patches Megatron's local attention "
                 "only (--transformer-impl local); TE's attention keeps its own context parallelism")
@@ -292,13 +292,19 @@ def _attention_init(inst: Installation, original):
     return __init__
 
 
-def _attention_forward(original):
+def _attention_forward(inst: Installation, original):
     @functools.wraps(original)
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
         from .cp import context
 
         ring = context.current()
+        if ring is None and inst.config.hdp:
+            inst.notice_once(
+                "hdp-no-ring",
+                "--hdp is on, but this attention runs outside an HDP micro-batch: plain data parallelism, "
+                "no HDP. Feed the model through megatron_overlap.hdp.runtime (HdpDataIterator + forward_step, "
+                "or forward_backward); pretrain_gpt.py's own iterator is not wrapped automatically")
         if ring is not None:  # --hdp: the micro-batch's own ring (or one rank), packed layout
             if attention_bias is not None:
                 raise OverlapConfigError("--hdp", "hybrid data parallelism takes no attention bias")

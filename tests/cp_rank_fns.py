@@ -13,15 +13,21 @@ HQ, HK, D, B = 8, 2, 24, 2
 DOCS = (5, 17, 1, 23)  # packed document lengths, none a multiple of 2 x CP
 
 
+_GROUPS: dict = {}
+
+
 def _cp_group(size: int):
     """The group of ``size`` consecutive ranks containing this rank (every rank creates every
     group, as torch requires)."""
+    if size in _GROUPS:  # created once per process: gloo groups are never freed
+        return _GROUPS[size]
     world, rank = dist.get_world_size(), dist.get_rank()
     mine = None
     for start in range(0, world, size):
         group = dist.new_group(list(range(start, start + size)))
         if start <= rank < start + size:
             mine = group
+    _GROUPS[size] = mine
     return mine
 
 
@@ -205,10 +211,12 @@ def explicit_peer_order(seed: int) -> dict:
     """A 3-rank ring over ranks [2, 0, 3] of the 4-rank parent group; rank 1 sits out."""
     from megatron_overlap.cp import cp_attention, zigzag_slice
 
-    parent = dist.new_group(list(range(4)))
+    parent = _cp_group(4)
     ranks = [2, 0, 3]
     # only to add up the errors of the three ranks; every rank must create every group, in order
-    ring_group = dist.new_group(ranks)
+    if "ring[2,0,3]" not in _GROUPS:
+        _GROUPS["ring[2,0,3]"] = dist.new_group(ranks)
+    ring_group = _GROUPS["ring[2,0,3]"]
     me = dist.get_rank(parent)
     if me not in ranks:
         q = torch.randn(16, B, HQ, D)

@@ -20,7 +20,7 @@ def test_transfers_take_link_time(pool4):
     results = pool4.run(rank_fns.link_timing)
     for rank, r in enumerate(results):
         sender = results[rank ^ 1]  # ranks 0-1 and 2-3 exchange
-        one = r["expected_one_s"]  # 1 MiB at 0.1 GB/s + 2 ms = ~12.5 ms
+        one = r["expected_one_s"]  # 1 MiB at 0.02 GB/s + 2 ms = ~54 ms
         assert r["rebound"] and r["restored"], r
         assert r["async_return_s"] < one / 2, r  # issuing does not wait
         assert r["all_gather_s"] >= one * 0.99, r

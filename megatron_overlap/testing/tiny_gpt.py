@@ -32,15 +32,32 @@ class TinyGPT:
     normalization: str = "RMSNorm"
 
 
+# Megatron's parallel state per layout (TP, CP, world size), kept after the first init: a
+# process that switches layouts (the test pool runs TP=2, TP=4, CP=2, ... over and over) would
+# otherwise create a fresh set of process groups each time, and gloo groups are never freed
+# (threads and sockets pile up until everything slows down).
+_LAYOUTS: dict = {}
+
+
+def _state_names(parallel_state) -> list:
+    return [n for n in vars(parallel_state) if n.startswith("_") and n[1:2].isupper()]
+
+
 def init_parallel(tp: int, seed: int = 1234, cp: int = 1) -> None:
     """(Re)initialise Megatron's parallel state with TP=tp, CP=cp, DP=world/(tp*cp), and seed
-    its RNGs."""
+    its RNGs. A layout seen before in this process gets its groups back instead of new ones."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    key = (tp, cp, dist.get_world_size())
+    if key in _LAYOUTS:
+        for name, value in _LAYOUTS[key].items():
+            setattr(parallel_state, name, value)
+    else:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        _LAYOUTS[key] = {name: getattr(parallel_state, name) for name in _state_names(parallel_state)}
     model_parallel_cuda_manual_seed(seed)
 
 
