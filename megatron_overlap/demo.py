@@ -224,13 +224,16 @@ class _Session:
         self.link.uninstall()
 
 
-class _timed_matmuls:
-    """Sum the time spent in ``torch.matmul`` / ``Tensor.matmul`` (every GEMM of Megatron's
-    linears, forward and backward, and of ours) while the block runs."""
+class _timed:
+    """Sum the time spent in the named functions while the block runs: ``(owner, name)`` pairs,
+    replaced by timing wrappers and restored on exit."""
+
+    def __init__(self, *targets):
+        self._targets = targets
 
     def __enter__(self):
         self.seconds = 0.0
-        self._saved = (torch.matmul, torch.Tensor.matmul)
+        self._saved = [getattr(owner, name) for owner, name in self._targets]
 
         def timed(fn):
             def wrapper(*args, **kwargs):
@@ -242,41 +245,25 @@ class _timed_matmuls:
 
             return wrapper
 
-        torch.matmul = timed(self._saved[0])
-        torch.Tensor.matmul = timed(self._saved[1])
+        for (owner, name), fn in zip(self._targets, self._saved):
+            setattr(owner, name, timed(fn))
         return self
 
     def __exit__(self, *exc):
-        torch.matmul, torch.Tensor.matmul = self._saved
+        for (owner, name), fn in zip(self._targets, self._saved):
+            setattr(owner, name, fn)
 
 
-class _timed_attention_blocks:
-    """Sum the time spent in the ring's block attention, forward and backward, while the block
-    runs (the compute a ring transfer can hide behind)."""
+def _timed_matmuls() -> _timed:
+    """Every GEMM of Megatron's linears, forward and backward, and of ours."""
+    return _timed((torch, "matmul"), (torch.Tensor, "matmul"))
 
-    def __enter__(self):
-        from .cp import ring
 
-        self.seconds = 0.0
-        self._saved = (ring.block_attention, ring.block_backward)
+def _timed_attention_blocks() -> _timed:
+    """The ring's block attention, forward and backward (what a ring transfer hides behind)."""
+    from .cp import ring
 
-        def timed(fn):
-            def wrapper(*args, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    self.seconds += time.perf_counter() - t0
-
-            return wrapper
-
-        ring.block_attention, ring.block_backward = (timed(f) for f in self._saved)
-        return self
-
-    def __exit__(self, *exc):
-        from .cp import ring
-
-        ring.block_attention, ring.block_backward = self._saved
+    return _timed((ring, "block_attention"), (ring, "block_backward"))
 
 
 _session: Optional[_Session] = None  # rank-side state of the demo process, not of the plugin

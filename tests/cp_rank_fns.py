@@ -13,22 +13,7 @@ HQ, HK, D, B = 8, 2, 24, 2
 DOCS = (5, 17, 1, 23)  # packed document lengths, none a multiple of 2 x CP
 
 
-_GROUPS: dict = {}
-
-
-def _cp_group(size: int):
-    """The group of ``size`` consecutive ranks containing this rank (every rank creates every
-    group, as torch requires)."""
-    if size in _GROUPS:  # created once per process: gloo groups are never freed
-        return _GROUPS[size]
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mine = None
-    for start in range(0, world, size):
-        group = dist.new_group(list(range(start, start + size)))
-        if start <= rank < start + size:
-            mine = group
-    _GROUPS[size] = mine
-    return mine
+from .rank_fns import _GROUPS, _tp_group as _cp_group  # noqa: E402  (groups made once per process)
 
 
 def _megatron_slice(x: torch.Tensor, group) -> torch.Tensor:

@@ -16,6 +16,7 @@ half); a piece nobody needs, e.g. the second half of position 0's keys, never tr
 
 from __future__ import annotations
 
+import abc
 from typing import Iterable, Optional
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from .block import CAUSAL, FULL, BlockPlan
 
 
-class RingLayout:
+class RingLayout(abc.ABC):
     """What ring position x computes against the key block of position j, piece by piece.
 
     ``size`` positions, each with a local block of ``rows`` query and key rows; ``pieces`` are
@@ -36,11 +37,13 @@ class RingLayout:
     rows: int
     pieces: tuple
 
+    @abc.abstractmethod
     def own(self, x: int) -> Optional[BlockPlan]:
-        raise NotImplementedError
+        """The block of x's own keys."""
 
+    @abc.abstractmethod
     def plan(self, x: int, j: int, i: int) -> Optional[BlockPlan]:
-        raise NotImplementedError
+        """x's queries against piece i of j's keys; None when nothing is visible."""
 
     def needs(self, x: int, j: int, i: int) -> bool:
         return self.plan(x, j, i) is not None
