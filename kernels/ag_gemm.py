@@ -57,6 +57,29 @@ def _wait_flag(flag_ptr):
 
 
 @triton.jit
+def _tile_matmul(a_ptr, b_ptr, rm, row_ok, rn, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """One output tile, fp32 accumulator: rows ``rm`` of ``a`` (``row_ok`` masks them) times
+    columns ``rn`` of ``b``, over the whole K (shared by AG-GEMM and GEMM-RS)."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(
+            a_ptr + rm[:, None] * stride_am + (k0 + rk)[None, :] * stride_ak,
+            mask=row_ok[:, None] & ((k0 + rk)[None, :] < K), other=0.0,
+        )
+        b = tl.load(
+            b_ptr + (k0 + rk)[:, None] * stride_bk + rn[None, :] * stride_bn,
+            mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0,
+        )
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    return acc
+
+
+@triton.jit
 def ag_gemm_kernel(
     a_ptr, b_ptr, c_ptr, flags_ptr, tiles_ptr,
     N, K, num_tiles,
@@ -78,21 +101,8 @@ def ag_gemm_kernel(
                 _wait_flag(flags_ptr + chunk)
             rm = row0 + tl.arange(0, BLOCK_M)
             rn = col0 + tl.arange(0, BLOCK_N)
-            rk = tl.arange(0, BLOCK_K)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a = tl.load(
-                    a_ptr + rm[:, None] * stride_am + (k0 + rk)[None, :] * stride_ak,
-                    mask=(rm[:, None] < row_end) & ((k0 + rk)[None, :] < K), other=0.0,
-                )
-                b = tl.load(
-                    b_ptr + (k0 + rk)[:, None] * stride_bk + rn[None, :] * stride_bn,
-                    mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0,
-                )
-                if IEEE:
-                    acc += tl.dot(a, b, input_precision="ieee")
-                else:
-                    acc += tl.dot(a, b)
+            acc = _tile_matmul(a_ptr, b_ptr, rm, rm < row_end, rn, N, K, stride_am, stride_ak, stride_bk,
+                               stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
             tl.store(
                 c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
                 acc.to(c_ptr.dtype.element_ty),

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ag_gemm import CONFIGS, TileConfig, _wait_flag, num_programs
+from .ag_gemm import CONFIGS, TileConfig, _tile_matmul, _wait_flag, num_programs
 
 
 @triton.jit
@@ -48,21 +48,8 @@ def gemm_rs_kernel(
             lm = lrow0 + tl.arange(0, BLOCK_M)  # rows local to the owner's shard
             rm = owner * M_LOCAL + lm  # rows of a
             rn = col0 + tl.arange(0, BLOCK_N)
-            rk = tl.arange(0, BLOCK_K)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a = tl.load(
-                    a_ptr + rm[:, None] * stride_am + (k0 + rk)[None, :] * stride_ak,
-                    mask=(lm[:, None] < M_LOCAL) & ((k0 + rk)[None, :] < K), other=0.0,
-                )
-                b = tl.load(
-                    b_ptr + (k0 + rk)[:, None] * stride_bk + rn[None, :] * stride_bn,
-                    mask=((k0 + rk)[:, None] < K) & (rn[None, :] < N), other=0.0,
-                )
-                if IEEE:
-                    acc += tl.dot(a, b, input_precision="ieee")
-                else:
-                    acc += tl.dot(a, b)
+            acc = _tile_matmul(a_ptr, b_ptr, rm, lm < M_LOCAL, rn, N, K, stride_am, stride_ak, stride_bk,
+                               stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
             tl.store(
                 slots_ptr + owner * stride_sd + lm[:, None] * stride_sm + rn[None, :] * stride_sn,
                 acc.to(slots_ptr.dtype.element_ty),
