@@ -1,19 +1,20 @@
-"""megatron-overlap: hide the communication of Megatron-LM's tensor/sequence parallelism
-behind its GEMMs.
+"""megatron-overlap: hide the communication of Megatron-LM's 4D parallelism behind compute.
 
     parser = megatron_overlap.add_overlap_args(parser)   # or extra_args_provider=...
-    megatron_overlap.install(args)                       # after parsing
+    installation = megatron_overlap.install(args)        # after parsing
+    installation.uninstall()                             # or megatron_overlap.uninstall()
 """
 
 from .args import FLAGS, add_overlap_args, overlap_parser
 from .config import OverlapConfig
 from .errors import MegatronVersionError, OverlapConfigError
-from .patch import active_config, install, is_installed, uninstall
+from .integration.install import Installation, active_config, install, is_installed, uninstall
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FLAGS",
+    "Installation",
     "MegatronVersionError",
     "OverlapConfig",
     "OverlapConfigError",

@@ -1,40 +1,108 @@
-"""Command-line flags. ``add_overlap_args`` is usable as Megatron's ``extra_args_provider``."""
+"""Command-line flags, and the one map from config fields to flags.
+
+``add_overlap_args`` is usable as Megatron's ``extra_args_provider``. Every flag the plugin adds
+is in ``_FLAGS``, pinned by tests/test_config.py so none appears by accident and none collides
+with Megatron-LM's own. Errors name config fields (``tp.chunks``); :func:`flag_for` is where
+they become flags.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from .config import CP_MODES, RS_ALGOS, TP_MODES
-
-# Every flag the plugin adds, pinned by tests/test_flags.py so none appears by accident and
-# none collides with Megatron-LM's own.
-FLAGS = (
-    "--overlap-tp",
-    "--overlap-tp-chunks",
-    "--overlap-tp-rs",
-    "--overlap-tp-bidirectional",
-    "--overlap-autotune",
-    "--overlap-plan",
-    "--overlap-trace",
-    "--overlap-trace-iters",
-    "--overlap-cp",
-    "--overlap-cp-a2a-size",
-    "--hdp",
-    "--hdp-max-tokens-per-rank",
-    "--hdp-mode",
-)
+from .cp import CP_MODES
+from .errors import OverlapConfigError
+from .hdp import MODES as HDP_MODES
+from .tp import RS_ALGOS, TP_MODES, check_chunks
 
 
 def _chunk_count(text: str) -> int:
+    """``--overlap-tp-chunks``: TP's own rule (``tp.check_chunks``), reported the argparse way."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(
-            f"must be 0 (choose automatically) or a positive multiple of the TP size, got {value}"
-        )
-    return value
+        value = text
+    try:
+        return check_chunks(value)
+    except OverlapConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.reason) from None
+
+
+# None defaults on the flags that depend on another: they let the config tell "given while
+# that other flag is off" (a conflict) from "not given".
+_FLAGS = (  # (flag, config field, argparse keywords)
+    ("--overlap-tp", "tp.mode", dict(
+        choices=TP_MODES, default="off",
+        help="Overlap the sequence-parallel all-gather/reduce-scatter of Megatron's ColumnParallelLinear/"
+        "RowParallelLinear with their GEMMs. off: stock Megatron; p2p: chunked point-to-point rings (any device "
+        "and backend); symm-mem: PyTorch's symmetric-memory fused ops (CUDA); fused: our Triton kernels; auto: "
+        "chosen at start (the cost model on a GPU it knows, else symm-mem where it runs, else p2p). Needs "
+        "--sequence-parallel and --transformer-impl local.")),
+    ("--overlap-tp-chunks", "tp.chunks", dict(
+        type=_chunk_count, default=None, metavar="N",
+        help="Chunks per overlapped collective, over the whole TP group (a multiple of the TP size); 0 "
+        "(default) chooses.")),
+    ("--overlap-tp-rs", "tp.rs", dict(
+        choices=RS_ALGOS, default=None,
+        help="Reduce-scatter after a GEMM as a ring of partial sums (ring, default for p2p) or as all-to-all "
+        "plus a local reduce (a2a, the only one of --overlap-tp fused).")),
+    ("--overlap-tp-bidirectional", "tp.bidirectional", dict(
+        action="store_true", default=None,
+        help="Split each chunk in two halves travelling both ways round the ring.")),
+    ("--overlap-autotune", "tp.autotune", dict(
+        action="store_true", default=None,
+        help="Measure the candidate decompositions (chunks per rank, reduce-scatter algorithm) of each distinct "
+        "linear shape on the real TP group the first time it runs; every rank takes the same pick; cached on "
+        "disk (~/.cache/megatron_overlap/tp_plans.json) for the next start.")),
+    ("--overlap-plan", "tp.plan_file", dict(
+        default=None, metavar="FILE",
+        help="Load the decompositions from FILE (the autotuner's cache format: {shape key: 'c4t-ring' | "
+        "{'choice': ...}}; a 'default' key applies to every other shape).")),
+    ("--overlap-trace", "trace.dir", dict(
+        default=None, metavar="DIR",
+        help="Write a per-rank Chrome trace (torch.profiler; opens in Perfetto) of the chosen iterations to DIR "
+        "and log their exposed communication; `megatron-overlap report DIR` draws them. Works with "
+        "--overlap-tp off too (to see stock Megatron).")),
+    ("--overlap-trace-iters", "trace.iterations", dict(
+        default=None, metavar="LIST",
+        help="Iterations to trace, counted from 0 in this run: '3', '3,5' or '3-5' (default 3).")),
+    ("--overlap-cp", "cp.mode", dict(
+        choices=CP_MODES, default="off",
+        help="Context parallelism for Megatron's local attention (--transformer-impl local, "
+        "--context-parallel-size > 1), data sliced as Megatron's get_batch_on_this_cp_rank does. ring: K/V "
+        "blocks travel a P2P ring, the block in hand attended meanwhile (any head count); a2a: all-to-all to "
+        "heads and back (Ulysses; heads per TP rank divisible by CP); hybrid: a2a inside groups of "
+        "--overlap-cp-a2a-size ranks, ring across. off: stock (which refuses CP > 1 on the local path).")),
+    ("--overlap-cp-a2a-size", "cp.a2a_size", dict(
+        type=int, default=None, metavar="U",
+        help="All-to-all group size of --overlap-cp hybrid (divides the context-parallel size).")),
+    ("--hdp", "hdp.enabled", dict(
+        action="store_true", default=False,
+        help="Hybrid data parallelism: all data-parallel ranks form one group; each sequence gets the fewest "
+        "ranks that hold it (ceil(L / C), a ring over those ranks) and work is balanced across ranks. Needs "
+        "--context-parallel-size 1, --transformer-impl local, packed variable-length data.")),
+    ("--hdp-max-tokens-per-rank", "hdp.max_tokens", dict(
+        type=int, default=None, metavar="C",
+        help="Tokens one rank holds in one micro-batch under --hdp (padding included).")),
+    ("--hdp-mode", "hdp.mode", dict(
+        choices=HDP_MODES, default=None,
+        help="dp (default): balance each rank's total work per step; pp: sequences of similar length share a "
+        "micro-batch index on every rank (scheduler only so far: the runtime refuses PP > 1).")),
+)
+
+FLAGS = tuple(flag for flag, _field, _kw in _FLAGS)
+FIELDS = {field: flag for flag, field, _kw in _FLAGS}  # config field -> flag
+
+
+def flag_for(field: str) -> str:
+    """The flag of a config field: ours from the table, Megatron's (``megatron.seq_length``) by
+    Megatron's own convention (``--seq-length``)."""
+    if field in FIELDS:
+        return FIELDS[field]
+    area, _, name = field.partition(".")
+    if area == "megatron" and name:
+        return "--" + name.replace("_", "-")
+    raise KeyError(f"no flag for config field {field!r}")
 
 
 def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,112 +111,11 @@ def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     Idempotent: a parser that has them already (a patched Megatron fork run through the
     launcher, say) is returned as it is.
     """
-    if any("--overlap-tp" in action.option_strings for action in parser._actions):
+    if any(FLAGS[0] in action.option_strings for action in parser._actions):
         return parser
-    group = parser.add_argument_group(
-        "megatron-overlap", "Hide tensor-parallel communication behind the GEMMs."
-    )
-    group.add_argument(
-        "--overlap-tp",
-        choices=TP_MODES,
-        default="off",
-        help="Overlap the sequence-parallel all-gather/reduce-scatter of Megatron's "
-        "ColumnParallelLinear/RowParallelLinear with their GEMMs. off: stock Megatron; "
-        "p2p: chunked point-to-point rings (any device and backend); symm-mem: PyTorch's "
-        "symmetric-memory fused ops (CUDA); fused: our Triton kernels; auto: symm-mem where it "
-        "runs, else p2p. Needs --sequence-parallel and --transformer-impl local.",
-    )
-    # None defaults: lets the config tell "given with overlap off" (a conflict) from "not given".
-    group.add_argument(
-        "--overlap-tp-chunks",
-        type=_chunk_count,
-        default=None,
-        metavar="N",
-        help="Chunks per overlapped collective, over the whole TP group (a multiple of the TP "
-        "size); 0 (default) chooses.",
-    )
-    group.add_argument(
-        "--overlap-tp-rs",
-        choices=RS_ALGOS,
-        default=None,
-        help="Reduce-scatter after a GEMM as a ring of partial sums (ring, default for p2p) or "
-        "as all-to-all plus a local reduce (a2a, the only one of --overlap-tp fused).",
-    )
-    group.add_argument(
-        "--overlap-tp-bidirectional",
-        action="store_true",
-        default=None,
-        help="Split each chunk in two halves travelling both ways round the ring.",
-    )
-    group.add_argument(
-        "--overlap-autotune",
-        action="store_true",
-        default=None,
-        help="Measure the candidate decompositions (chunks per rank, reduce-scatter algorithm) of "
-        "each distinct linear shape on the real TP group the first time it runs; every rank takes "
-        "the same pick; cached on disk (~/.cache/megatron_overlap/tp_plans.json) for the next start.",
-    )
-    group.add_argument(
-        "--overlap-plan",
-        default=None,
-        metavar="FILE",
-        help="Load the decompositions from FILE (the autotuner's cache format: {shape key: "
-        "'c4t-ring' | {'choice': ...}}; a 'default' key applies to every other shape).",
-    )
-    group.add_argument(
-        "--overlap-trace",
-        default=None,
-        metavar="DIR",
-        help="Write a per-rank Chrome trace (torch.profiler; opens in Perfetto) of the chosen "
-        "iterations to DIR and log their exposed communication; `megatron-overlap report DIR` "
-        "draws them. Works with --overlap-tp off too (to see stock Megatron).",
-    )
-    group.add_argument(
-        "--overlap-trace-iters",
-        default=None,
-        metavar="LIST",
-        help="Iterations to trace, counted from 0 in this run: '3', '3,5' or '3-5' (default 3).",
-    )
-    group.add_argument(
-        "--overlap-cp",
-        choices=CP_MODES,
-        default="off",
-        help="Context parallelism for Megatron's local attention (--transformer-impl local, "
-        "--context-parallel-size > 1), data sliced as Megatron's get_batch_on_this_cp_rank does. "
-        "ring: K/V blocks travel a P2P ring, the block in hand attended meanwhile (any head "
-        "count); a2a: all-to-all to heads and back (Ulysses; heads per TP rank divisible by CP); "
-        "hybrid: a2a inside groups of --overlap-cp-a2a-size ranks, ring across. off: stock "
-        "(which refuses CP > 1 on the local path).",
-    )
-    group.add_argument(
-        "--overlap-cp-a2a-size",
-        type=int,
-        default=None,
-        metavar="U",
-        help="All-to-all group size of --overlap-cp hybrid (divides the context-parallel size).",
-    )
-    group.add_argument(
-        "--hdp",
-        action="store_true",
-        default=False,
-        help="Hybrid data parallelism: all data-parallel ranks form one group; each sequence gets the "
-        "fewest ranks that hold it (ceil(L / C), a ring over those ranks) and work is balanced across "
-        "ranks. Needs --context-parallel-size 1, --transformer-impl local, packed variable-length data.",
-    )
-    group.add_argument(
-        "--hdp-max-tokens-per-rank",
-        type=int,
-        default=None,
-        metavar="C",
-        help="Tokens one rank holds in one micro-batch under --hdp (padding included).",
-    )
-    group.add_argument(
-        "--hdp-mode",
-        choices=("dp", "pp"),
-        default=None,
-        help="dp (default): balance each rank's total work per step; pp: sequences of similar length "
-        "share a micro-batch index on every rank (scheduler only so far: the runtime refuses PP > 1).",
-    )
+    group = parser.add_argument_group("megatron-overlap", "Hide the communication of 4D parallelism behind compute.")
+    for flag, _field, keywords in _FLAGS:
+        group.add_argument(flag, **keywords)
     return parser
 
 

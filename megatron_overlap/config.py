@@ -1,9 +1,12 @@
-"""The plugin's one configuration object, built from parsed command-line flags.
+"""The plugin's one configuration object, built from parsed command-line flags by one adapter
+(:meth:`OverlapConfig.from_args`).
 
-Pure Python: nothing here imports Megatron or touches process groups. Checks that need the
-model (TP size, sequence parallelism, sequence length) live in :func:`check_model`, which runs
-at install time when Megatron's arguments are at hand and again when a patched layer first
-runs, so both entry points fail with the same message.
+``OverlapConfig`` is frozen and made of one small section per area (``tp``, ``cp``, ``hdp``,
+``trace``); each section validates itself on construction, the whole checks what crosses
+sections. The modes come from the areas that own them. Pure Python: nothing here imports
+Megatron or touches process groups. Checks that need the model (TP size, sequence length,
+heads, ...) live in the areas (``tp.checks``, ``cp.checks``, ``hdp.checks``) and take a
+:class:`ModelContext`.
 """
 
 from __future__ import annotations
@@ -13,199 +16,223 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .args import flag_for
+from .cp import CP_MODES
 from .errors import OverlapConfigError
+from .hdp import MODES as HDP_MODES
+from .tp import RS_ALGOS, TP_MODES, check_chunks
 
-TP_MODES = ("off", "p2p", "symm-mem", "fused", "auto")
-RS_ALGOS = ("ring", "a2a")
-CP_MODES = ("off", "ring", "a2a", "hybrid")
-HDP_MODES = ("dp", "pp")
 
-# Flags that only mean something when --overlap-tp is on. Their argparse default is None so
-# that an explicit value given with overlap off can be told apart from "not given".
-_TP_DEPENDENT = {
-    "overlap_tp_chunks": "--overlap-tp-chunks",
-    "overlap_tp_rs": "--overlap-tp-rs",
-    "overlap_tp_bidirectional": "--overlap-tp-bidirectional",
-    "overlap_autotune": "--overlap-autotune",
-    "overlap_plan": "--overlap-plan",
-}
+def _positive_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value > 0
+
+
+class _Section:
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
-class OverlapConfig:
-    """What the user asked the plugin to do. Frozen and validated on construction."""
+class TPConfig(_Section):
+    """TP + SP overlap of Megatron's Column/Row linears."""
 
-    tp: str = "off"
-    """TP+SP overlap backend: ``off`` (stock Megatron), ``p2p`` (chunked P2P rings, any
-    device and backend), ``symm-mem`` (PyTorch's symmetric-memory fused ops, CUDA), ``fused``
-    (our Triton kernels), ``auto`` (``symm-mem`` where it runs, else ``p2p``)."""
+    mode: str = "off"
+    """``off`` (stock Megatron), ``p2p`` (chunked P2P rings, any device and backend), ``symm-mem``
+    (PyTorch's symmetric-memory fused ops, CUDA), ``fused`` (our Triton kernels), ``auto``
+    (resolved once, at install, into one of the three)."""
 
-    tp_chunks: int = 0
-    """Chunks each overlapped all-gather / reduce-scatter is cut into along the sequence,
-    counted over the whole TP group (a multiple of the TP size). 0 lets the plugin choose."""
+    chunks: int = 0
+    """Chunks each overlapped all-gather / reduce-scatter is cut into along the sequence, counted
+    over the whole TP group (a multiple of the TP size). 0 lets the plugin choose."""
 
-    tp_rs: str = "ring"
-    """Reduce-scatter algorithm after a GEMM: ``ring`` (partial sums travel the ring and
-    accumulate) or ``a2a`` (each partial goes straight to its owner, which reduces locally)."""
+    rs: str = "ring"
+    """Reduce-scatter after a GEMM: ``ring`` (partial sums travel the ring and accumulate) or
+    ``a2a`` (each partial goes straight to its owner, which reduces locally)."""
 
-    tp_bidirectional: bool = False
+    bidirectional: bool = False
     """Split every chunk in two halves that travel the ring in opposite directions."""
 
     autotune: bool = False
-    """Measure each linear shape's candidate decompositions at its first run (``--overlap-autotune``)."""
+    """Measure each linear shape's candidate decompositions at its first run."""
 
     plan_file: Optional[str] = None
-    """Decompositions to load (``--overlap-plan``)."""
-
-    trace_dir: Optional[str] = None
-    """Directory for per-rank Chrome traces of the chosen iterations (``--overlap-trace``)."""
-
-    trace_iterations: frozenset = frozenset({3})
-    """Iterations to trace, counted from 0 in this run."""
-
-    cp: str = "off"
-    """Context-parallel attention for Megatron's local ``DotProductAttention``: ``off`` (stock,
-    which refuses CP > 1), ``ring`` (K/V blocks travel a P2P ring while the block in hand is
-    attended), ``a2a`` (Ulysses all-to-all), ``hybrid`` (a2a in groups of ``cp_a2a_size``, ring
-    across)."""
-
-    cp_a2a_size: Optional[int] = None
-    """All-to-all group size U of ``--overlap-cp hybrid`` (divides the CP size)."""
-
-    hdp: bool = False
-    """Hybrid data parallelism (``--hdp``): one DP x CP group; every sequence gets the fewest
-    ranks that hold it (a ring over an explicit rank list), work balanced across ranks."""
-
-    hdp_max_tokens: Optional[int] = None
-    """Tokens one rank holds in one micro-batch (``--hdp-max-tokens-per-rank``), padding included."""
-
-    hdp_mode: str = "dp"
-    """``dp``: balance each rank's total work per step; ``pp``: sequences of similar length share
-    a micro-batch index on every rank (for pipelines)."""
+    """Decompositions to load."""
 
     explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
-    """Names of the fields the user set explicitly (used only for conflict messages)."""
+    """Names of the fields above the user set (conflict messages only)."""
+
+    DEPENDENT = ("chunks", "rs", "bidirectional", "autotune", "plan_file")  # meaningless with mode off
 
     def __post_init__(self):
-        if self.tp not in TP_MODES:
-            raise OverlapConfigError(
-                "--overlap-tp", f"unknown mode {self.tp!r}; choose one of {', '.join(TP_MODES)}"
-            )
-        if self.tp_rs not in RS_ALGOS:
-            raise OverlapConfigError(
-                "--overlap-tp-rs", f"unknown algorithm {self.tp_rs!r}; choose ring or a2a"
-            )
-        if isinstance(self.tp_chunks, bool) or not isinstance(self.tp_chunks, int):
-            raise OverlapConfigError(
-                "--overlap-tp-chunks", f"expected a whole number, got {self.tp_chunks!r}"
-            )
-        if self.tp_chunks < 0:
-            raise OverlapConfigError(
-                "--overlap-tp-chunks",
-                f"must be 0 (choose automatically) or a positive multiple of the TP size, "
-                f"got {self.tp_chunks}",
-            )
-        if "overlap_trace_iters" in self.explicit and not self.trace_dir:
-            raise OverlapConfigError(
-                "--overlap-trace-iters", "has no effect without --overlap-trace DIR; add it, or drop the iterations"
-            )
-        if self.cp not in CP_MODES:
-            raise OverlapConfigError("--overlap-cp", f"unknown mode {self.cp!r}; choose one of {', '.join(CP_MODES)}")
-        if self.cp_a2a_size is not None:
-            if self.cp != "hybrid":
-                raise OverlapConfigError(
-                    "--overlap-cp-a2a-size",
-                    f"only applies to --overlap-cp hybrid (got --overlap-cp {self.cp}); drop it or use hybrid",
-                )
-            if isinstance(self.cp_a2a_size, bool) or not isinstance(self.cp_a2a_size, int) or self.cp_a2a_size < 1:
-                raise OverlapConfigError("--overlap-cp-a2a-size", f"must be a positive whole number, got {self.cp_a2a_size!r}")
-        if self.cp == "hybrid" and self.cp_a2a_size is None:
-            raise OverlapConfigError(
-                "--overlap-cp-a2a-size",
-                "--overlap-cp hybrid needs --overlap-cp-a2a-size U: all-to-all inside groups of U "
-                "consecutive context-parallel ranks, a ring across the groups",
-            )
-        if self.hdp_mode not in HDP_MODES:
-            raise OverlapConfigError("--hdp-mode", f"unknown mode {self.hdp_mode!r}; choose dp or pp")
-        if not self.hdp and ("hdp_max_tokens" in self.explicit or "hdp_mode" in self.explicit):
-            raise OverlapConfigError(
-                "--hdp-max-tokens-per-rank" if "hdp_max_tokens" in self.explicit else "--hdp-mode",
-                "only applies with --hdp; add --hdp, or drop it")
-        if self.hdp:
-            if self.hdp_max_tokens is None:
-                raise OverlapConfigError(
-                    "--hdp-max-tokens-per-rank",
-                    "--hdp needs the tokens one rank may hold in a micro-batch (--hdp-max-tokens-per-rank C, "
-                    "e.g. your --seq-length): longer sequences are sharded over ceil(L / C) ranks")
-            if isinstance(self.hdp_max_tokens, bool) or not isinstance(self.hdp_max_tokens, int) or self.hdp_max_tokens <= 0:
-                raise OverlapConfigError("--hdp-max-tokens-per-rank", f"must be a positive number of tokens, got {self.hdp_max_tokens!r}")
-            if self.cp_enabled:
-                raise OverlapConfigError(
-                    "--overlap-cp", "--hdp chooses a ring for every sequence itself; drop --overlap-cp (and keep "
-                    "--context-parallel-size 1)")
+        if self.mode not in TP_MODES:
+            raise OverlapConfigError("tp.mode", f"unknown mode {self.mode!r}; choose one of {', '.join(TP_MODES)}")
+        if self.rs not in RS_ALGOS:
+            raise OverlapConfigError("tp.rs", f"unknown algorithm {self.rs!r}; choose ring or a2a")
+        check_chunks(self.chunks)
         if self.autotune and self.plan_file:
+            raise OverlapConfigError("tp.plan_file", "and `tp.autotune` both choose the decompositions; pass one of them")
+        given = self.given(*self.DEPENDENT)
+        if self.mode == "symm-mem" and given:
             raise OverlapConfigError(
-                "--overlap-plan", "and --overlap-autotune both choose the decompositions; pass one of them"
-            )
-        if self.tp == "symm-mem":
-            given = sorted(_TP_DEPENDENT[name] for name in self.explicit if name in _TP_DEPENDENT)
-            if given:
-                raise OverlapConfigError(
-                    given[0],
-                    "--overlap-tp symm-mem runs PyTorch's fused ops, which choose their own "
-                    f"chunking and reduce-scatter; drop {', '.join(given)} or use --overlap-tp p2p",
-                )
-        if self.tp == "fused" and "overlap_tp_rs" in self.explicit and self.tp_rs != "a2a":
+                given[0], "`tp.mode` symm-mem runs PyTorch's fused ops, which choose their own chunking and "
+                f"reduce-scatter; drop {_refs(given)} or use `tp.mode` p2p")
+        if self.mode == "fused" and "rs" in self.explicit and self.rs != "a2a":
             raise OverlapConfigError(
-                "--overlap-tp-rs",
-                "the fused backend reduce-scatters as all-to-all + local reduce (a2a); drop "
-                "--overlap-tp-rs ring, or use --overlap-tp p2p for a ring",
-            )
-        if self.tp == "off":
-            given = sorted(_TP_DEPENDENT[name] for name in self.explicit if name in _TP_DEPENDENT)
-            if given:
-                raise OverlapConfigError(
-                    given[0],
-                    f"{', '.join(given)} only apply to TP overlap, which is off; "
-                    f"add --overlap-tp p2p (or auto), or drop {'them' if len(given) > 1 else 'it'}",
-                )
+                "tp.rs", "the fused backend reduce-scatters as all-to-all + local reduce (a2a); drop `tp.rs` ring, "
+                "or use `tp.mode` p2p for a ring")
+        if self.mode == "off" and given:
+            raise OverlapConfigError(
+                given[0], f"{_refs(given)} only apply to TP overlap, which is off; add `tp.mode` p2p (or auto), or "
+                f"drop {'them' if len(given) > 1 else 'it'}")
+
+    def given(self, *names: str) -> list:
+        """The fields among ``names`` the user set, as ``tp.<name>``, ordered by flag."""
+        return sorted((f"tp.{n}" for n in names if n in self.explicit), key=flag_for)
 
     @property
     def enabled(self) -> bool:
-        return self.tp != "off"
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp != "off"
+        return self.mode != "off"
 
     @property
     def rs_algo(self) -> str:
         """The reduce-scatter algorithm in force (the fused backend's is always a2a)."""
-        return "a2a" if self.tp == "fused" else self.tp_rs
+        return "a2a" if self.mode == "fused" else self.rs
 
-    def as_flags(self) -> list[str]:
+    def flags(self) -> list:
+        if self.mode in ("off", "symm-mem"):
+            return []
+        out = [flag_for("tp.chunks"), str(self.chunks), flag_for("tp.rs"), self.rs_algo]
+        out += [flag_for("tp.bidirectional")] if self.bidirectional else []
+        out += [flag_for("tp.autotune")] if self.autotune else []
+        return out + ([flag_for("tp.plan_file"), self.plan_file] if self.plan_file else [])
+
+
+@dataclass(frozen=True)
+class CPConfig(_Section):
+    """Context-parallel attention on Megatron's local ``DotProductAttention``."""
+
+    mode: str = "off"
+    """``off`` (stock, which refuses CP > 1), ``ring`` (K/V blocks travel a P2P ring while the block
+    in hand is attended), ``a2a`` (Ulysses all-to-all), ``hybrid`` (a2a in groups of ``a2a_size``,
+    ring across)."""
+
+    a2a_size: Optional[int] = None
+    """All-to-all group size U of ``hybrid`` (divides the CP size)."""
+
+    def __post_init__(self):
+        if self.mode not in CP_MODES:
+            raise OverlapConfigError("cp.mode", f"unknown mode {self.mode!r}; choose one of {', '.join(CP_MODES)}")
+        if self.a2a_size is not None:
+            if self.mode != "hybrid":
+                raise OverlapConfigError(
+                    "cp.a2a_size", f"only applies to `cp.mode` hybrid (got `cp.mode` {self.mode}); drop it or use hybrid")
+            if not _positive_int(self.a2a_size):
+                raise OverlapConfigError("cp.a2a_size", f"must be a positive whole number, got {self.a2a_size!r}")
+        if self.mode == "hybrid" and self.a2a_size is None:
+            raise OverlapConfigError(
+                "cp.a2a_size", "`cp.mode` hybrid needs `cp.a2a_size` U: all-to-all inside groups of U consecutive "
+                "context-parallel ranks, a ring across the groups")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def flags(self) -> list:
+        if not self.enabled:
+            return []
+        out = [flag_for("cp.mode"), self.mode]
+        return out + ([flag_for("cp.a2a_size"), str(self.a2a_size)] if self.mode == "hybrid" else [])
+
+
+@dataclass(frozen=True)
+class HDPConfig(_Section):
+    """Hybrid data parallelism: one DP x CP group, a ring per sequence, work balanced."""
+
+    enabled: bool = False
+    max_tokens: Optional[int] = None
+    """Tokens one rank holds in one micro-batch, padding included (C)."""
+
+    mode: str = "dp"
+    """``dp``: balance each rank's total work per step; ``pp``: sequences of similar length share a
+    micro-batch index on every rank (for pipelines)."""
+
+    explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.mode not in HDP_MODES:
+            raise OverlapConfigError("hdp.mode", f"unknown mode {self.mode!r}; choose dp or pp")
+        if not self.enabled and self.explicit & {"max_tokens", "mode"}:
+            raise OverlapConfigError("hdp.max_tokens" if "max_tokens" in self.explicit else "hdp.mode",
+                                     "only applies with `hdp.enabled`; add `hdp.enabled`, or drop it")
+        if not self.enabled:
+            return
+        if self.max_tokens is None:
+            raise OverlapConfigError(
+                "hdp.max_tokens", "`hdp.enabled` needs the tokens one rank may hold in a micro-batch (`hdp.max_tokens` "
+                "C, e.g. your `megatron.seq_length`): longer sequences are sharded over ceil(L / C) ranks")
+        if not _positive_int(self.max_tokens):
+            raise OverlapConfigError("hdp.max_tokens", f"must be a positive number of tokens, got {self.max_tokens!r}")
+
+    def flags(self) -> list:
+        if not self.enabled:
+            return []
+        return [flag_for("hdp.enabled"), flag_for("hdp.max_tokens"), str(self.max_tokens),
+                flag_for("hdp.mode"), self.mode]
+
+
+@dataclass(frozen=True)
+class TraceConfig(_Section):
+    """Per-rank Chrome traces of chosen iterations."""
+
+    dir: Optional[str] = None
+    iterations: frozenset = frozenset({3})
+    """Iterations to trace, counted from 0 in this run."""
+
+    explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
+
+    def __post_init__(self):
+        if "iterations" in self.explicit and not self.dir:
+            raise OverlapConfigError(
+                "trace.iterations", "has no effect without `trace.dir` DIR; add it, or drop the iterations")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.dir)
+
+    def flags(self) -> list:
+        if not self.dir:
+            return []
+        return [flag_for("trace.dir"), self.dir,
+                flag_for("trace.iterations"), ",".join(str(i) for i in sorted(self.iterations))]
+
+
+@dataclass(frozen=True)
+class OverlapConfig:
+    """What the user asked the plugin to do: one validated section per area."""
+
+    tp: TPConfig = TPConfig()
+    cp: CPConfig = CPConfig()
+    hdp: HDPConfig = HDPConfig()
+    trace: TraceConfig = TraceConfig()
+
+    def __post_init__(self):
+        if self.hdp.enabled and self.cp.enabled:
+            raise OverlapConfigError(
+                "cp.mode", "`hdp.enabled` chooses a ring for every sequence itself; drop `cp.mode` (and keep "
+                "`megatron.context_parallel_size` 1)")
+
+    @property
+    def stock(self) -> bool:
+        """Nothing asked of the plugin: no patch, no check."""
+        return not (self.tp.enabled or self.cp.enabled or self.hdp.enabled or self.trace.enabled)
+
+    def as_flags(self) -> list:
         """The command-line flags that reproduce this config."""
-        flags = ["--overlap-tp", self.tp]
-        if self.hdp:
-            flags += ["--hdp", "--hdp-max-tokens-per-rank", str(self.hdp_max_tokens), "--hdp-mode", self.hdp_mode]
-        if self.cp_enabled:
-            flags += ["--overlap-cp", self.cp]
-            if self.cp == "hybrid":
-                flags += ["--overlap-cp-a2a-size", str(self.cp_a2a_size)]
-        if self.trace_dir:
-            flags += ["--overlap-trace", self.trace_dir,
-                      "--overlap-trace-iters", ",".join(str(i) for i in sorted(self.trace_iterations))]
-        if self.enabled:
-            if self.tp == "symm-mem":
-                return flags
-            flags += ["--overlap-tp-chunks", str(self.tp_chunks), "--overlap-tp-rs", self.rs_algo]
-            if self.tp_bidirectional:
-                flags.append("--overlap-tp-bidirectional")
-            if self.autotune:
-                flags.append("--overlap-autotune")
-            if self.plan_file:
-                flags += ["--overlap-plan", self.plan_file]
-        return flags
+        return ([flag_for("tp.mode"), self.tp.mode] + self.hdp.flags() + self.cp.flags() + self.trace.flags()
+                + self.tp.flags())
+
+    def replace(self, **sections) -> "OverlapConfig":
+        return dataclasses.replace(self, **sections)
 
     @classmethod
     def from_args(cls, args: Any) -> "OverlapConfig":
@@ -213,44 +240,37 @@ class OverlapConfig:
         if isinstance(args, OverlapConfig):
             return args
         if not hasattr(args, "overlap_tp"):
-            raise TypeError(
-                "megatron_overlap: the arguments carry no --overlap-tp; build the parser with "
-                "megatron_overlap.add_overlap_args (or pass it as Megatron's extra_args_provider)"
-            )
-        explicit = {name for name in _TP_DEPENDENT if getattr(args, name, None) is not None}
-        if getattr(args, "hdp_max_tokens_per_rank", None) is not None:
-            explicit.add("hdp_max_tokens")
-        if getattr(args, "hdp_mode", None) is not None:
-            explicit.add("hdp_mode")
-        iterations = getattr(args, "overlap_trace_iters", None)
-        if iterations is not None:
-            explicit.add("overlap_trace_iters")
-            try:
-                from .trace import parse_iterations
+            raise TypeError("megatron_overlap: the arguments carry no --overlap-tp; build the parser with "
+                            "megatron_overlap.add_overlap_args (or pass it as Megatron's extra_args_provider)")
+        get = lambda name: getattr(args, name, None)  # noqa: E731
+        tp_dests = dict(chunks="overlap_tp_chunks", rs="overlap_tp_rs", bidirectional="overlap_tp_bidirectional",
+                        autotune="overlap_autotune", plan_file="overlap_plan")
+        tp = TPConfig(mode=args.overlap_tp, chunks=_default(get("overlap_tp_chunks"), 0),
+                      rs=_default(get("overlap_tp_rs"), "ring"), bidirectional=bool(get("overlap_tp_bidirectional")),
+                      autotune=bool(get("overlap_autotune")), plan_file=get("overlap_plan"),
+                      explicit=frozenset(n for n, dest in tp_dests.items() if get(dest) is not None))
+        hdp = HDPConfig(enabled=bool(get("hdp")), max_tokens=get("hdp_max_tokens_per_rank"),
+                        mode=get("hdp_mode") or "dp",
+                        explicit=frozenset(n for n, dest in (("max_tokens", "hdp_max_tokens_per_rank"),
+                                                             ("mode", "hdp_mode")) if get(dest) is not None))
+        return cls(tp=tp, cp=CPConfig(mode=get("overlap_cp") or "off", a2a_size=get("overlap_cp_a2a_size")),
+                   hdp=hdp, trace=_trace_from_args(get("overlap_trace"), get("overlap_trace_iters")))
 
-                iterations = parse_iterations(iterations)
-            except ValueError as exc:
-                raise OverlapConfigError("--overlap-trace-iters", str(exc)) from None
-        values = dict(
-            tp=args.overlap_tp,
-            tp_chunks=_default(getattr(args, "overlap_tp_chunks", None), 0),
-            tp_rs=_default(getattr(args, "overlap_tp_rs", None), "ring"),
-            tp_bidirectional=bool(getattr(args, "overlap_tp_bidirectional", None) or False),
-            trace_dir=getattr(args, "overlap_trace", None),
-            autotune=bool(getattr(args, "overlap_autotune", None) or False),
-            plan_file=getattr(args, "overlap_plan", None),
-            cp=getattr(args, "overlap_cp", None) or "off",
-            cp_a2a_size=getattr(args, "overlap_cp_a2a_size", None),
-            hdp=bool(getattr(args, "hdp", False)),
-            hdp_max_tokens=getattr(args, "hdp_max_tokens_per_rank", None),
-            hdp_mode=getattr(args, "hdp_mode", None) or "dp",
-        )
-        if iterations is not None:
-            values["trace_iterations"] = iterations
-        return cls(**values, explicit=frozenset(explicit))
 
-    def replace(self, **changes) -> "OverlapConfig":
-        return dataclasses.replace(self, **changes)
+def _trace_from_args(directory, iterations) -> TraceConfig:
+    if iterations is None:
+        return TraceConfig(dir=directory)
+    from .trace.tracer import parse_iterations
+
+    try:
+        parsed = parse_iterations(iterations)
+    except ValueError as exc:
+        raise OverlapConfigError("trace.iterations", str(exc)) from None
+    return TraceConfig(dir=directory, iterations=parsed, explicit=frozenset({"iterations"}))
+
+
+def _refs(fields: list) -> str:
+    return ", ".join(f"`{f}`" for f in fields)
 
 
 def _default(value, default):
@@ -259,10 +279,9 @@ def _default(value, default):
 
 @dataclass(frozen=True)
 class ModelContext:
-    """The parts of the model's parallel setup that decide whether overlap can run.
-
-    ``None`` means unknown: programmatic installs learn these when a layer first runs.
-    """
+    """The parts of the model's parallel setup that decide whether overlap can run, read from
+    Megatron's arguments by name. ``None`` means unknown: programmatic installs learn these
+    when a layer first runs."""
 
     tp_size: Optional[int] = None
     sequence_parallel: Optional[bool] = None
@@ -278,170 +297,17 @@ class ModelContext:
 
     @classmethod
     def from_megatron_args(cls, args: argparse.Namespace) -> "ModelContext":
+        get = lambda name: getattr(args, name, None)  # noqa: E731
         return cls(
-            tp_size=getattr(args, "tensor_model_parallel_size", None),
-            sequence_parallel=getattr(args, "sequence_parallel", None),
-            transformer_impl=getattr(args, "transformer_impl", None),
-            tp_comm_overlap=bool(getattr(args, "tp_comm_overlap", False)),
-            seq_length=getattr(args, "seq_length", None),
-            micro_batch_size=getattr(args, "micro_batch_size", None),
-            cp_size=getattr(args, "context_parallel_size", None),
-            heads=getattr(args, "num_attention_heads", None),
-            kv_heads=(getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False)
-                      else getattr(args, "num_attention_heads", None)),
-            packed=bool(getattr(args, "reset_attention_mask", False)),
-            pp_size=getattr(args, "pipeline_model_parallel_size", None),
+            tp_size=get("tensor_model_parallel_size"),
+            sequence_parallel=get("sequence_parallel"),
+            transformer_impl=get("transformer_impl"),
+            tp_comm_overlap=bool(get("tp_comm_overlap")),
+            seq_length=get("seq_length"),
+            micro_batch_size=get("micro_batch_size"),
+            cp_size=get("context_parallel_size"),
+            heads=get("num_attention_heads"),
+            kv_heads=get("num_query_groups") if get("group_query_attention") else get("num_attention_heads"),
+            packed=bool(get("reset_attention_mask")),
+            pp_size=get("pipeline_model_parallel_size"),
         )
-
-
-def tp_overlap_applies(config: OverlapConfig, ctx: ModelContext) -> bool:
-    """True when the patched path will run; False when stock Megatron runs (TP=1 or off)."""
-    return config.enabled and (ctx.tp_size is None or ctx.tp_size > 1)
-
-
-def check_model(config: OverlapConfig, ctx: ModelContext) -> None:
-    """Refuse model settings the overlapped linears cannot honour. Unknown fields pass."""
-    if not config.enabled:
-        return
-    if ctx.tp_size is not None and ctx.tp_size < 1:
-        raise OverlapConfigError(
-            "--tensor-model-parallel-size", f"must be positive, got {ctx.tp_size}"
-        )
-    if ctx.transformer_impl == "transformer_engine":
-        raise OverlapConfigError(
-            "--transformer-impl",
-            "Transformer Engine's linears are not patched by megatron-overlap yet, so "
-            f"--overlap-tp {config.tp} would do nothing there. Pass --transformer-impl local "
-            "(Megatron's own ColumnParallelLinear/RowParallelLinear), or drop --overlap-tp and "
-            "use TE's --tp-comm-overlap instead",
-        )
-    if ctx.tp_comm_overlap:
-        raise OverlapConfigError(
-            "--overlap-tp",
-            "conflicts with Megatron's --tp-comm-overlap (Transformer Engine userbuffers); "
-            "choose one of the two",
-        )
-    if ctx.tp_size is None or ctx.tp_size == 1:
-        return
-    if ctx.sequence_parallel is False:
-        raise OverlapConfigError(
-            "--overlap-tp",
-            f"overlaps the all-gather / reduce-scatter of sequence parallelism, but "
-            f"--sequence-parallel is off with TP={ctx.tp_size}; add --sequence-parallel",
-        )
-    if config.tp_chunks and config.tp_chunks % ctx.tp_size:
-        raise OverlapConfigError(
-            "--overlap-tp-chunks",
-            f"{config.tp_chunks} is not a multiple of the tensor-parallel size {ctx.tp_size}; "
-            f"use {ctx.tp_size}, {2 * ctx.tp_size}, {4 * ctx.tp_size}, ... or 0 to let the "
-            "plugin choose",
-        )
-    if ctx.seq_length is not None:
-        if ctx.seq_length % ctx.tp_size:
-            raise OverlapConfigError(
-                "--seq-length",
-                f"{ctx.seq_length} is not divisible by the tensor-parallel size "
-                f"{ctx.tp_size}, which sequence parallelism needs",
-            )
-        rows = ctx.seq_length // ctx.tp_size
-        if config.tp_chunks and config.tp_chunks // ctx.tp_size > rows:
-            raise OverlapConfigError(
-                "--overlap-tp-chunks",
-                f"cuts each rank's {rows} sequence rows (seq-length {ctx.seq_length} / TP "
-                f"{ctx.tp_size}) into {config.tp_chunks // ctx.tp_size} chunks; use "
-                f"--overlap-tp-chunks <= {rows * ctx.tp_size} (or 0 to let the plugin choose)",
-            )
-
-
-def check_hdp_model(config: OverlapConfig, ctx: ModelContext) -> None:
-    """Refuse model settings the ``--hdp`` runtime cannot honour. Unknown fields pass."""
-    if not config.hdp:
-        return
-    if ctx.cp_size is not None and ctx.cp_size > 1:
-        raise OverlapConfigError(
-            "--context-parallel-size",
-            f"--hdp merges data and context parallelism into one group and picks each sequence's ring "
-            f"itself; set --context-parallel-size 1 (got {ctx.cp_size})")
-    if ctx.pp_size is not None and ctx.pp_size > 1:
-        hint = ("--hdp-mode pp orders micro-batches for pipelines in the scheduler and `bench hdp`, but the "
-                "runtime does not drive Megatron's pipeline schedules yet") if config.hdp_mode == "pp" else (
-                "--hdp-mode dp balances whole steps and would let pipeline stages drift apart; --hdp-mode pp is "
-                "the pipeline mode (scheduler and `bench hdp` only so far)")
-        raise OverlapConfigError(
-            "--hdp", f"with --pipeline-model-parallel-size {ctx.pp_size} is not supported: {hint}. "
-            "Use --pipeline-model-parallel-size 1 with --hdp")
-    if ctx.transformer_impl == "transformer_engine":
-        raise OverlapConfigError(
-            "--hdp", "runs its rings through Megatron's local attention; pass --transformer-impl local")
-    if ctx.tp_size is not None and ctx.tp_size > 1:
-        raise OverlapConfigError(
-            "--hdp", f"with --tensor-model-parallel-size {ctx.tp_size} is not supported yet: the runtime shards "
-            "sequences across data-parallel ranks only. Use TP 1 with --hdp")
-
-
-def check_cp_model(config: OverlapConfig, ctx: ModelContext) -> None:
-    """Refuse context-parallel settings the local attention cannot honour. Unknown fields pass;
-    the same checks run again when a patched attention layer is built."""
-    check_hdp_model(config, ctx)
-    cp = ctx.cp_size
-    if cp is None or cp <= 1:
-        if config.cp_enabled and cp == 1:
-            _notice_cp_size_one(config)
-        return
-    if ctx.transformer_impl == "transformer_engine":
-        if config.cp_enabled:
-            raise OverlapConfigError(
-                "--overlap-cp",
-                "patches Megatron's local DotProductAttention, but --transformer-impl "
-                "transformer_engine runs TE's attention, which does context parallelism itself "
-                "(--cp-comm-type); pass --transformer-impl local, or drop --overlap-cp",
-            )
-        return
-    if not config.cp_enabled:
-        if ctx.transformer_impl == "local":
-            raise OverlapConfigError(
-                "--overlap-cp",
-                f"--context-parallel-size {cp} with --transformer-impl local: Megatron's local "
-                "attention has no context parallelism (it asserts CP == 1). Add --overlap-cp ring "
-                "(any head count), a2a or hybrid, or use Transformer Engine",
-            )
-        return
-    from .cp.attention import check_cp_config
-
-    tp = ctx.tp_size or 1
-    heads = ctx.heads // tp if ctx.heads is not None and ctx.heads % tp == 0 else None
-    kv = ctx.kv_heads // tp if ctx.kv_heads is not None and ctx.kv_heads % tp == 0 else None
-    seq = None if ctx.packed else ctx.seq_length
-    if heads is None or kv is None:  # heads unknown: check the rest, heads at the layer
-        if config.cp == "hybrid":
-            from .cp.hybrid import check_hybrid_size
-
-            check_hybrid_size(cp, config.cp_a2a_size)
-        if seq is not None:
-            from .cp.attention import check_seq_length
-
-            check_seq_length(seq, cp)
-        return
-    check_cp_config(config.cp, cp, heads, kv, config.cp_a2a_size, seq)
-
-
-def _notice_cp_size_one(config: OverlapConfig) -> None:
-    import logging
-
-    logging.getLogger("megatron_overlap").info(
-        "--overlap-cp %s with --context-parallel-size 1: nothing to do, stock attention", config.cp)
-
-
-def chunks_per_rank(config: OverlapConfig, tp_size: int, rows_per_rank: int, batch: int = 1) -> int:
-    """Chunks of each rank's shard (before the bidirectional halving).
-
-    ``--overlap-tp-chunks N`` gives N / TP uniform chunks. With 0 the plugin picks one chunk per
-    ~256 tokens of the rank's shard (``rows_per_rank * batch``) plus one, between 1 and 5, and
-    tapers them (first and last half-size, see ``split_pieces``): finer chunks shorten the
-    pipeline's fill and drain, coarser ones pay less per message and run larger GEMMs. Chosen
-    on the MLP benchmark (BENCHMARKS.md); the cost-model issue replaces this rule with a search.
-    """
-    if config.tp_chunks:
-        return config.tp_chunks // tp_size
-    tokens = rows_per_rank * batch
-    return max(1, min(5, tokens // 256 + 1))

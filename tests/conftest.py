@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def pool4():
-    from megatron_overlap.testing.rank_pool import RankPool
+    from megatron_overlap.lab.rank_pool import RankPool
 
     pool = RankPool(4, timeout=600, pg_timeout_s=120)
     yield pool

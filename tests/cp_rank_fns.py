@@ -268,7 +268,7 @@ def _install(flags):
 def gpt_losses_cp(tp: int, cp: int, steps: int, flags: list) -> list:
     """The tiny GPT (GQA 8/2, RoPE) trained with TP=tp, CP=cp, DP=4/(tp*cp); the batch of each
     CP rank cut by Megatron's own get_batch_on_this_cp_rank (tiny_gpt.batch)."""
-    from megatron_overlap.testing import tiny_gpt
+    from megatron_overlap.lab import tiny_gpt
 
     _install(flags)
     try:
@@ -282,7 +282,7 @@ def cp_layer_errors() -> dict:
     the plugin installed for TP only (our error naming --overlap-cp), and --overlap-cp a2a with
     heads that do not divide (8 query / 2 KV heads at CP=4: error naming ring)."""
     from megatron_overlap.errors import OverlapConfigError
-    from megatron_overlap.testing import tiny_gpt
+    from megatron_overlap.lab import tiny_gpt
 
     out = {}
     for name, cp, flags in (("stock", 2, []), ("tp_only", 2, ["--overlap-tp", "p2p"]),

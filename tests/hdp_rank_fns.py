@@ -18,10 +18,11 @@ VOCAB = 512
 
 
 def _install(capacity: int):
+    """Install --hdp; returns the installation (its config builds the runtime)."""
     import megatron_overlap
 
     megatron_overlap.uninstall()
-    megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(
+    return megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(
         ["--hdp", "--hdp-max-tokens-per-rank", str(capacity)]))
 
 
@@ -34,7 +35,7 @@ def _uninstall():
 def global_samples(seed: int, lengths=LENGTHS):
     """Every rank's samples (lists per rank), the same on every rank: random tokens and labels,
     about one token in eight masked out of the loss."""
-    from megatron_overlap.hdp.runtime import Sample
+    from megatron_overlap.hdp.samples import Sample
 
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -56,7 +57,7 @@ def build_model(position: str, seq: int):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from megatron_overlap.testing.tiny_gpt import TinyGPT, _SPNorm, transformer_config
+    from megatron_overlap.lab.tiny_gpt import TinyGPT, _SPNorm, transformer_config
 
     spec = TinyGPT(seq=seq, vocab=VOCAB)
     config = transformer_config(spec, 1, sequence_parallel=False)
@@ -106,10 +107,11 @@ def exactness(seed: int, position: str = "rope") -> dict:
     """HDP on the 4 ranks against the one-process reference: loss and every gradient, through
     ``forward_backward`` and through the Megatron-style iterator + ``forward_step``."""
     from megatron_overlap.hdp import runtime as hdp
-    from megatron_overlap.testing.tiny_gpt import init_parallel
+    from megatron_overlap.integration.hdp import make_runtime
+    from megatron_overlap.lab.tiny_gpt import init_parallel
 
     init_parallel(1, seed=seed)
-    _install(CAPACITY)
+    installation = _install(CAPACITY)
     try:
         me = dist.get_rank()
         samples = global_samples(seed)
@@ -118,7 +120,7 @@ def exactness(seed: int, position: str = "rope") -> dict:
         ref = _grads(model)
         _zero(model)
 
-        rt = hdp.HdpRuntime.from_config()  # Megatron's DP group (CP = 1): all 4 ranks
+        rt = make_runtime(installation.config.hdp)  # Megatron's DP group (CP = 1): all 4 ranks
         step = rt.step(samples[me])
         step.plan.validate()
         result = hdp.forward_backward(model, step)
@@ -209,12 +211,13 @@ def _error(fn) -> tuple:
 
 def runtime_errors(seed: int) -> dict:
     """The runtime's refusals, each raised the same way on every rank (after the all-gather)."""
-    from megatron_overlap.hdp import runtime as hdp
+    from megatron_overlap.integration import hdp
+    from megatron_overlap.integration.hdp import make_runtime
 
-    _install(CAPACITY)
+    installation = _install(CAPACITY)
     try:
         me = dist.get_rank()
-        rt = hdp.HdpRuntime(CAPACITY, group=dist.group.WORLD)
+        rt = make_runtime(installation.config.hdp, group=dist.group.WORLD)
         out = {}
         out["empty"] = _error(lambda: rt.step([]))
         too_long = global_samples(seed, lengths=((5,), (200,), (), (7,)))

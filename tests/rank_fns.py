@@ -45,7 +45,8 @@ def _install(flags: list[str]):
 def ring_ops_vs_reference(seed: int) -> list[dict]:
     """ag_gemm / gemm_rs against stock collectives + one GEMM, over every combination."""
     from megatron_overlap.comm.rings import split_pieces
-    from megatron_overlap.ops import ag_gemm, ag_gemm_reference, gemm_rs, gemm_rs_reference
+    from megatron_overlap.tp.ag_gemm import ag_gemm, ag_gemm_reference
+    from megatron_overlap.tp.gemm_rs import gemm_rs, gemm_rs_reference
 
     rank = dist.get_rank()
     rows = []
@@ -71,7 +72,7 @@ def ring_ops_vs_reference(seed: int) -> list[dict]:
 def _layers(tp: int, fusion: bool, defer: bool = False, dtype=torch.float32):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_overlap.testing import tiny_gpt
+    from megatron_overlap.lab import tiny_gpt
 
     spec = tiny_gpt.TinyGPT(hidden=96, ffn=200, heads=8, kv_heads=2)
     overrides = dict(add_bias_linear=True, gradient_accumulation_fusion=fusion, params_dtype=dtype,
@@ -113,7 +114,7 @@ def _run_layer(layer, x, dy, fusion: bool):
 
 def layer_parity(tp: int, fusion: bool, seed: int, dtype=torch.float32) -> list[dict]:
     """Stock Megatron Column/Row linears vs the patched ones, every flag combination."""
-    from megatron_overlap.testing import tiny_gpt
+    from megatron_overlap.lab import tiny_gpt
 
     tiny_gpt.init_parallel(tp, seed=seed)
     config, layers = _layers(tp, fusion, dtype=dtype)
@@ -145,7 +146,7 @@ def layer_parity(tp: int, fusion: bool, seed: int, dtype=torch.float32) -> list[
 
 def patched_path_taken(tp: int) -> dict:
     """Counts calls into the overlapped autograd functions while a layer runs."""
-    from megatron_overlap.ops import linear as ops_linear
+    from megatron_overlap.tp import linear as ops_linear
 
     calls = {"column": 0, "row": 0}
     originals = (ops_linear.ColumnParallelSP.forward, ops_linear.RowParallelSP.forward)
@@ -157,7 +158,7 @@ def patched_path_taken(tp: int) -> dict:
 
         return staticmethod(wrapped)
 
-    from megatron_overlap.testing import tiny_gpt
+    from megatron_overlap.lab import tiny_gpt
 
     tiny_gpt.init_parallel(tp)
     _config, layers = _layers(tp, fusion=False)
@@ -181,7 +182,7 @@ def deferred_wgrad_parity(tp: int) -> dict:
     main_grad untouched, dgrad equal to stock."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    from megatron_overlap.testing import tiny_gpt
+    from megatron_overlap.lab import tiny_gpt
 
     tiny_gpt.init_parallel(tp)
     spec = tiny_gpt.TinyGPT()
@@ -223,7 +224,7 @@ def deferred_wgrad_parity(tp: int) -> dict:
 
 # --------------------------------------------------------------------------- tiny GPT
 def gpt_losses(tp: int, steps: int, flags: list[str], overlap_grad_reduce: bool) -> list[float]:
-    from megatron_overlap.testing import tiny_gpt
+    from megatron_overlap.lab import tiny_gpt
 
     _install(flags)
     try:
@@ -238,7 +239,7 @@ def link_timing() -> dict:
     port, and Megatron's import-time bindings are rebound while it is installed."""
     from megatron.core.tensor_parallel import layers, mappings
 
-    from megatron_overlap.comm.emulated_link import EmulatedLink, LinkSpec
+    from megatron_overlap.lab.emulated_link import EmulatedLink, LinkSpec
     from megatron_overlap.comm.p2p import exchange
 
     group = _tp_group(2)
@@ -283,8 +284,8 @@ def mlp_bytes_stock_vs_ours(tp: int) -> dict:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
-    from megatron_overlap.comm.emulated_link import EmulatedLink, LinkSpec
-    from megatron_overlap.testing import tiny_gpt
+    from megatron_overlap.lab.emulated_link import EmulatedLink, LinkSpec
+    from megatron_overlap.lab import tiny_gpt
 
     tiny_gpt.init_parallel(tp)
     config = tiny_gpt.transformer_config(tiny_gpt.TinyGPT(), tp, add_bias_linear=True,
@@ -306,7 +307,7 @@ def mlp_bytes_stock_vs_ours(tp: int) -> dict:
 def programmatic_install_checks_at_first_run(tp: int, chunks: int) -> str:
     """Install from a namespace holding only our flags; the TP-size check fires when a
     patched layer first runs."""
-    from megatron_overlap.testing import tiny_gpt
+    from megatron_overlap.lab import tiny_gpt
 
     tiny_gpt.init_parallel(tp)
     _config, layers = _layers(tp, fusion=False)
@@ -321,7 +322,7 @@ def programmatic_install_checks_at_first_run(tp: int, chunks: int) -> str:
 
 
 def sp_off_error(tp: int) -> str:
-    from megatron_overlap.testing import tiny_gpt
+    from megatron_overlap.lab import tiny_gpt
 
     tiny_gpt.init_parallel(tp)
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -342,7 +343,7 @@ def sp_off_error(tp: int) -> str:
 def _use_reference_symm_mem():
     """Run the symm-mem backend's composition on CPU: PyTorch's fused ops have no CPU kernels,
     so the same two ops are computed with stock collectives (ReferenceSymmMemOps)."""
-    from megatron_overlap.ops import symm_mem
+    from megatron_overlap.tp.backends import symm_mem
 
     symm_mem.availability = lambda *a, **k: (True, "reference ops (test)")
     symm_mem.TorchSymmMemOps = symm_mem.ReferenceSymmMemOps
@@ -350,7 +351,7 @@ def _use_reference_symm_mem():
 
 def backend_layer_parity(tp: int, backend: str, seed: int) -> list[dict]:
     """Stock Megatron Column/Row linears vs the given backend (fused: Triton interpreter)."""
-    from megatron_overlap.testing import tiny_gpt
+    from megatron_overlap.lab import tiny_gpt
 
     if backend == "symm-mem":
         _use_reference_symm_mem()
@@ -381,7 +382,7 @@ def backend_layer_parity(tp: int, backend: str, seed: int) -> list[dict]:
 
 def first_run_error(tp: int, flags: list[str], dtype=torch.float32) -> str:
     """The error a layer raises at its first run under ``flags`` (or 'no error')."""
-    from megatron_overlap.testing import tiny_gpt
+    from megatron_overlap.lab import tiny_gpt
 
     tiny_gpt.init_parallel(tp)
     _config, layers = _layers(tp, fusion=False, dtype=dtype)
@@ -400,7 +401,7 @@ def tuning_agreement(directory: str) -> dict:
     whose slowest rank is fastest), and a second start must reuse the cache."""
     from megatron_overlap.kernels.ag_gemm import TileConfig
     from megatron_overlap.kernels.tuning import ConfigChooser
-    from megatron_overlap.tuning import DiskCache
+    from megatron_overlap.tune.cache import DiskCache
 
     rank = dist.get_rank()
     candidates = [TileConfig(16, 16, 16), TileConfig(32, 32, 16), TileConfig(64, 64, 32)]
@@ -413,15 +414,17 @@ def tuning_agreement(directory: str) -> dict:
         return own[candidates.index(config)]
 
     cache = DiskCache("tile_configs", directory=f"{directory}/rank{rank}")
-    first = ConfigChooser(candidates, cache=cache, timer=timer).choose("ag_gemm", 64, 48, 32, torch.float32,
-                                                                       dist.group.WORLD)
+    from megatron_overlap.comm.agree import GroupAgreement
+
+    world = dict(world=dist.get_world_size(), agree=GroupAgreement(dist.group.WORLD))
+    first = ConfigChooser(candidates, cache=cache, timer=timer).choose("ag_gemm", 64, 48, 32, torch.float32, **world)
     measured_first = len(calls)
 
     def must_not_run(*a):
         raise AssertionError("measured although cached")
 
     second = ConfigChooser(candidates, cache=cache, timer=must_not_run).choose("ag_gemm", 64, 48, 32,
-                                                                               torch.float32, dist.group.WORLD)
+                                                                               torch.float32, **world)
     return {"first": first.key(), "second": second.key(), "measured_first": measured_first}
 
 
@@ -429,9 +432,9 @@ def tuning_agreement(directory: str) -> dict:
 def plan_tuner_agreement(directory: str) -> dict:
     """Deliberately different per-rank timings on a TP=4 group: one pick on every rank (the
     candidate whose slowest rank is fastest), and the next start reuses the cache."""
-    from megatron_overlap.autotune import PlanChoice, PlanTuner, candidates
-    from megatron_overlap.ops.backends import P2PBackend
-    from megatron_overlap.tuning import DiskCache
+    from megatron_overlap.tp.autotune import PlanChoice, PlanTuner, candidates
+    from megatron_overlap.tp.backends.p2p import P2PBackend
+    from megatron_overlap.tune.cache import DiskCache
 
     group = _tp_group(4)
     rank = dist.get_rank()
@@ -465,7 +468,7 @@ def autotuned_layers_match_stock(tp: int, flags: list[str], cache_dir: str) -> d
     import json
     import os
 
-    from megatron_overlap.testing import tiny_gpt
+    from megatron_overlap.lab import tiny_gpt
 
     os.environ["MEGATRON_OVERLAP_CACHE"] = f"{cache_dir}/rank{dist.get_rank()}"
     tiny_gpt.init_parallel(tp)
@@ -482,9 +485,9 @@ def autotuned_layers_match_stock(tp: int, flags: list[str], cache_dir: str) -> d
         _install(flags)
         ours = _run_layer(layer, x, dy, False)
         worst = max(worst, max(_rel(ours[k], stock[k]) for k in stock))
-    import megatron_overlap.patch as patch
+    from megatron_overlap.integration.install import find_installation
 
-    tuned = [p for k, p in patch._installation.plans.items() if k[0] == "tuned"]
+    tuned = list(find_installation().tp.plans().values())
     pieces = sorted({len(p.pieces) for p in tuned})
     _install([])
     entries = 0

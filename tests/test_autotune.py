@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron_overlap.autotune import PlanChoice, candidates, load_plan_file
+from megatron_overlap.tp.autotune import PlanChoice, candidates, load_plan_file
 from megatron_overlap.errors import OverlapConfigError
 
 from . import rank_fns
@@ -53,7 +53,7 @@ def test_autotuned_and_planned_layers_match_stock(pool4, tmp_path):
 def test_auto_asks_the_cost_model_on_a_known_gpu():
     import argparse
 
-    from megatron_overlap.autotune import hardware_for_device, predicted_choice
+    from megatron_overlap.tune.auto import hardware_for_device, predicted_choice
 
     assert hardware_for_device("NVIDIA H100 80GB HBM3") == "h100-sxm"
     assert hardware_for_device("NVIDIA A100-PCIE-40GB") == "a100-pcie"

@@ -179,7 +179,7 @@ def test_demo_end_to_end(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "loss stock" in out.stdout and "hidden" in out.stdout
     # the traces of the last step: Chrome-trace JSON with compute and communication per rank
-    from megatron_overlap.trace import spans
+    from megatron_overlap.trace.report import spans
 
     files = sorted(p.name for p in traces.iterdir())
     assert files == [f"rank{r}.iter2.{m}.json" for r in range(4) for m in ("baseline", "overlap")]

@@ -8,7 +8,9 @@ import pytest
 
 import megatron_overlap
 from megatron_overlap import OverlapConfig, OverlapConfigError, add_overlap_args, overlap_parser
-from megatron_overlap.config import ModelContext, check_model, chunks_per_rank
+from megatron_overlap.config import ModelContext, TPConfig
+from megatron_overlap.tp.checks import check_tp_model
+from megatron_overlap.tp.plan import chunks_per_rank
 
 MEGATRON_FLAGS = {
     line.strip()
@@ -80,26 +82,29 @@ def test_usable_as_extra_args_provider():
 
 def test_defaults_and_round_trip():
     config = OverlapConfig.from_args(parse())
-    assert config == OverlapConfig() and not config.enabled
+    assert config == OverlapConfig() and not config.tp.enabled
     config = OverlapConfig.from_args(
         parse("--overlap-tp", "p2p", "--overlap-tp-chunks", "16", "--overlap-tp-rs", "a2a", "--overlap-tp-bidirectional")
     )
-    assert (config.tp, config.tp_chunks, config.tp_rs, config.tp_bidirectional) == ("p2p", 16, "a2a", True)
+    tp = config.tp
+    assert (tp.mode, tp.chunks, tp.rs, tp.bidirectional) == ("p2p", 16, "a2a", True)
     assert OverlapConfig.from_args(parse(*config.as_flags())) == config
-    from megatron_overlap.patch import resolve_backend
+    from megatron_overlap.tp.plan import resolve_backend
 
-    assert resolve_backend(OverlapConfig.from_args(parse("--overlap-tp", "auto"))) == "p2p"  # no CUDA here
-    assert OverlapConfig(tp="fused").rs_algo == "a2a" and OverlapConfig(tp="p2p").rs_algo == "ring"
+    assert resolve_backend(OverlapConfig.from_args(parse("--overlap-tp", "auto")).tp) == "p2p"  # no CUDA here
+    assert TPConfig(mode="fused").rs_algo == "a2a" and TPConfig(mode="p2p").rs_algo == "ring"
     with pytest.raises(Exception):
-        config.tp = "off"  # frozen
+        config.tp = TPConfig()  # frozen
+    with pytest.raises(Exception):
+        config.tp.mode = "off"  # frozen too
 
 
 def test_default_chunk_rule():
-    config = OverlapConfig(tp="p2p")
+    config = TPConfig(mode="p2p")
     assert chunks_per_rank(config, 2, 1024) == 5  # one per 256 tokens plus one, at most 5
     assert chunks_per_rank(config, 2, 256, batch=2) == 3
     assert chunks_per_rank(config, 8, 16) == 1
-    assert chunks_per_rank(OverlapConfig(tp="p2p", tp_chunks=12), 4, 1024) == 3
+    assert chunks_per_rank(TPConfig(mode="p2p", chunks=12), 4, 1024) == 3
 
 
 def test_pieces_cover_the_shard_exactly():
@@ -229,13 +234,13 @@ def test_parser_rejects_bad_values_naming_the_flag(capsys):
 
 def test_config_object_validates_on_its_own():
     with pytest.raises(OverlapConfigError, match="^--overlap-tp: unknown mode 'fast'"):
-        OverlapConfig(tp="fast")
+        TPConfig(mode="fast")
     with pytest.raises(OverlapConfigError, match="^--overlap-tp-chunks: must be 0"):
-        OverlapConfig(tp="p2p", tp_chunks=-4)
+        TPConfig(mode="p2p", chunks=-4)
     with pytest.raises(OverlapConfigError, match="^--overlap-tp-chunks: expected a whole number"):
-        OverlapConfig(tp="p2p", tp_chunks=2.5)
+        TPConfig(mode="p2p", chunks=2.5)
     with pytest.raises(OverlapConfigError, match="^--overlap-tp-rs: unknown algorithm"):
-        OverlapConfig(tp="p2p", tp_rs="tree")
+        TPConfig(mode="p2p", rs="tree")
 
 
 def test_install_rejects_foreign_arguments():
@@ -245,9 +250,9 @@ def test_install_rejects_foreign_arguments():
 
 def test_unknown_fields_pass_until_the_layer_runs():
     # programmatic install: nothing about the model is known yet, nothing is refused yet
-    check_model(OverlapConfig(tp="p2p", tp_chunks=6), ModelContext())
+    check_tp_model(TPConfig(mode="p2p", chunks=6), ModelContext())
     with pytest.raises(OverlapConfigError, match="not a multiple"):
-        check_model(OverlapConfig(tp="p2p", tp_chunks=6), ModelContext(tp_size=4))
+        check_tp_model(TPConfig(mode="p2p", chunks=6), ModelContext(tp_size=4))
 
 
 def test_adding_the_flags_twice_is_harmless():
@@ -256,7 +261,7 @@ def test_adding_the_flags_twice_is_harmless():
 
 
 def test_overlap_off_needs_no_megatron(monkeypatch):
-    from megatron_overlap import compat
+    from megatron_overlap.integration import compat
 
     monkeypatch.setattr(compat, "megatron_core_version", lambda: None)
-    assert not megatron_overlap.install(parse()).enabled  # no MegatronVersionError
+    assert not megatron_overlap.install(parse()).config.tp.enabled  # no MegatronVersionError

@@ -2,7 +2,7 @@
 
 tests/data/mlp_bench_result.json is the JSON line of one run of
 ``megatron-overlap bench mlp --no-progress --json --steps 6`` (2 vCPU, one rank per core);
-tests/data/cpu_gemm_rates.json is ``python -m megatron_overlap.cost.measure_cpu`` on the same
+tests/data/cpu_gemm_rates.json is ``python -m megatron_overlap.tune.measure_cpu`` on the same
 machine right after it (single-thread times of the bench's GEMMs in 1-16 chunks, GeLU, bias).
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_overlap.cost.bench_predict import compare, predict_mlp_bench
+from megatron_overlap.tune.bench_predict import compare, predict_mlp_bench
 
 DATA = Path(__file__).parent / "data"
 

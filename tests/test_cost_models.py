@@ -6,13 +6,13 @@ import random
 
 import pytest
 
-from megatron_overlap.cost import comm, gemm, overlap
-from megatron_overlap.cost.engine import Graph, schedule
-from megatron_overlap.cost.hardware import HARDWARE, Link, cpu_emulated_spec, with_link
-from megatron_overlap.cost.layer_ops import mlp_ops
-from megatron_overlap.cost.models import ModelSpec, RunSpec
-from megatron_overlap.cost.simulate import make_ctx, simulate, simulate_ops
-from megatron_overlap.cost.strategies import Strategy, default_chunks_per_rank, piece_rows
+from megatron_overlap.tune import comm, gemm, overlap
+from megatron_overlap.tune.engine import Graph, schedule
+from megatron_overlap.tune.hardware import HARDWARE, Link, cpu_emulated_spec, with_link
+from megatron_overlap.tune.layer_ops import mlp_ops
+from megatron_overlap.tune.models import ModelSpec, RunSpec
+from megatron_overlap.tune.simulate import make_ctx, simulate, simulate_ops
+from megatron_overlap.tune.strategies import Strategy, default_chunks_per_rank, piece_rows
 
 SMALL = ModelSpec("small", hidden=1024, ffn=4096, heads=8, kv_heads=8, layers=2, vocab=1024, seq=2048)
 
@@ -182,7 +182,7 @@ def test_fit_recovers_a_known_curve():
 
 
 def test_calibrating_a_gpu_spec_changes_only_its_gemm_curve():
-    from megatron_overlap.cost.hardware import calibrate_gemm
+    from megatron_overlap.tune.hardware import calibrate_gemm
 
     hw = HARDWARE["h100-sxm"]
     truth = gemm.GemmEfficiency(max_fraction=0.6, half_dim=2.0 ** 7, overhead_us=3.0, hbm_fraction=hw.gemm.hbm_fraction)
@@ -222,9 +222,10 @@ def test_pieces_match_the_plugin(rows, chunks, taper):
 
 @pytest.mark.parametrize("rows,batch", [(16, 1), (255, 1), (256, 1), (1024, 1), (512, 4), (4096, 2)])
 def test_default_chunk_rule_matches_the_plugin(rows, batch):
-    from megatron_overlap.config import OverlapConfig, chunks_per_rank
+    from megatron_overlap.config import TPConfig
+    from megatron_overlap.tp.plan import chunks_per_rank
 
-    assert default_chunks_per_rank(rows, batch) == chunks_per_rank(OverlapConfig(tp="p2p"), 2, rows, batch)
+    assert default_chunks_per_rank(rows, batch) == chunks_per_rank(TPConfig(mode="p2p"), 2, rows, batch)
 
 
 def test_run_spec_validation():

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from megatron_overlap.cost.cli_plan import add_plan_args, plan_main
-from megatron_overlap.cost.hardware import get_hardware
-from megatron_overlap.cost.models import RunSpec, get_model
-from megatron_overlap.cost.planner import format_plan, make_plan, plan_json
-from megatron_overlap.cost.published import COMMAND, published_rows, published_table
-from megatron_overlap.cost.strategies import Strategy
+from megatron_overlap.cli.plan import add_plan_args, plan_main
+from megatron_overlap.tune.hardware import get_hardware
+from megatron_overlap.tune.models import RunSpec, get_model
+from megatron_overlap.tune.planner import format_plan, make_plan, plan_json
+from megatron_overlap.tune.published import COMMAND, published_rows, published_table
+from megatron_overlap.tune.strategies import Strategy
 
 
 def run_plan(capsys, *argv):

@@ -1,7 +1,7 @@
 """The emulated link: transfers take latency + bytes / bandwidth, queue on one egress port per
 rank, reach Megatron's import-time bindings, and count the same bytes for stock and plugin."""
 
-from megatron_overlap.comm.emulated_link import LinkSpec
+from megatron_overlap.lab.emulated_link import LinkSpec
 
 from . import rank_fns
 

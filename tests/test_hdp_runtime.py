@@ -10,7 +10,9 @@ import torch
 
 from megatron_overlap.errors import OverlapConfigError
 from megatron_overlap.hdp import schedule_hdp
-from megatron_overlap.hdp.runtime import HdpRuntime, Sample, as_samples, row_layout
+from megatron_overlap.hdp.layout import row_layout
+from megatron_overlap.hdp.runtime import HdpRuntime
+from megatron_overlap.hdp.samples import Sample, as_samples
 
 from . import hdp_rank_fns
 
@@ -125,16 +127,17 @@ def test_as_samples_formats():
 
 
 def test_runtime_arguments_refused_before_any_communication():
+    group = adapter = None  # never reached: the arguments are refused first
     with pytest.raises(OverlapConfigError, match="--hdp-max-tokens-per-rank"):
-        HdpRuntime(0)
+        HdpRuntime(0, group, adapter)
     with pytest.raises(OverlapConfigError, match="--hdp-mode"):
-        HdpRuntime(32, mode="tp")
+        HdpRuntime(32, group, adapter, mode="tp")
     with pytest.raises(ValueError, match="megatron_balanced"):
-        HdpRuntime(32, scheduler="megatron_balanced")
+        HdpRuntime(32, group, adapter, scheduler="megatron_balanced")
 
 
 def test_demo_static_and_hdp_agree_and_report_per_rank_busy_time():
-    from megatron_overlap.hdp.demo import run_hdp_demo
+    from megatron_overlap.cli.demo_hdp import run_hdp_demo
 
     lines = []
     r = run_hdp_demo(out=lines.append, repeats=1, lengths=(70, 40, 30, 23, 9, 5), capacity=32, hidden=64, ffn=128)

@@ -17,10 +17,10 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 
 from megatron_overlap.errors import OverlapConfigError
-from megatron_overlap.hdp import HdpCostModel, Plan, Shard, ranks_needed, schedule, schedule_hdp, simulate
-from megatron_overlap.hdp.baselines import (MegatronSchedulerError, schedule_megatron_balanced, schedule_static,
-                                            static_cp_size)
-from megatron_overlap.hdp.bench import draw_batches, read_lengths_file
+from megatron_overlap.hdp import HdpCostModel, Plan, Shard, ranks_needed, schedule_hdp, simulate
+from megatron_overlap.hdp.baselines import MegatronSchedulerError, schedule_static, static_cp_size
+from megatron_overlap.integration.baselines import schedule_megatron_balanced
+from megatron_overlap.cli.bench_hdp import draw_batches, read_lengths_file, schedule
 from megatron_overlap.hdp.shard import zigzag_ranges
 
 FLAG = "--hdp-max-tokens-per-rank"
@@ -187,7 +187,7 @@ def test_same_input_same_plan_and_shuffled_input_same_shape():
 _HASH_SNIPPET = """
 import hashlib, json
 from megatron_overlap.hdp import schedule_hdp
-from megatron_overlap.hdp.bench import draw_batches
+from megatron_overlap.cli.bench_hdp import draw_batches
 lens = draw_batches("heavy-tailed", 1, 8 * 16 * 8192, 65536, seed=3)[0]
 for mode in ("dp", "pp"):
     print(hashlib.sha256(json.dumps(schedule_hdp(lens, 16, 8192, mode=mode).to_actions()).encode()).hexdigest())
@@ -303,7 +303,7 @@ def test_megatron_cannot_place_power_of_two_beyond_r_noted():
 def test_megatron_failure_is_an_error_not_a_crash():
     with pytest.raises(MegatronSchedulerError, match="powers of two and R=5 is not one"):
         schedule_megatron_balanced([2, 2], 5, 3, COST)
-    from megatron_overlap.hdp.bench import run
+    from megatron_overlap.cli.bench_hdp import run
 
     out = run([[2, 2], [3, 1, 2]], 5, 3, COST, progress=False)
     assert out["megatron_balanced"]["failed_steps"] >= 1 and "IndexError" in out["megatron_balanced"]["error"]

@@ -6,7 +6,8 @@ import logging
 import pytest
 
 import megatron_overlap
-from megatron_overlap import MegatronVersionError, compat
+from megatron_overlap import MegatronVersionError
+from megatron_overlap.integration import compat
 
 from . import rank_fns
 from .test_config import megatron_args, parse
@@ -62,8 +63,8 @@ def test_install_is_idempotent_and_reconfigurable():
     patched = layers.linear_with_grad_accumulation_and_async_allreduce
     megatron_overlap.install(args)
     assert layers.linear_with_grad_accumulation_and_async_allreduce is patched  # no double wrap
-    config = megatron_overlap.install(parse("--overlap-tp", "p2p", "--overlap-tp-rs", "a2a"))
-    assert megatron_overlap.active_config() == config and config.tp_rs == "a2a"
+    config = megatron_overlap.install(parse("--overlap-tp", "p2p", "--overlap-tp-rs", "a2a")).config
+    assert megatron_overlap.active_config() == config and config.tp.rs == "a2a"
     megatron_overlap.install(parse("--overlap-tp", "off"))
     assert not megatron_overlap.is_installed()
     megatron_overlap.uninstall()
@@ -110,8 +111,8 @@ def test_linear_call_reads_both_signatures():
 
 def test_tp1_is_a_notice_not_an_error(caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_overlap"):
-        config = megatron_overlap.install(megatron_args("--overlap-tp", "p2p", tp=1, sp=False))
-    assert config.enabled and not megatron_overlap.is_installed()
+        config = megatron_overlap.install(megatron_args("--overlap-tp", "p2p", tp=1, sp=False)).config
+    assert config.tp.enabled and not megatron_overlap.is_installed()
     notices = [r for r in caplog.records if "tensor-parallel size 1" in r.getMessage()]
     assert len(notices) == 1
 
@@ -131,14 +132,15 @@ def test_programmatic_install_checks_when_the_layer_runs(pool4):
 
 
 def test_every_subpackage_is_installed():
-    """pyproject.toml lists the packages by hand (kernels/ maps to megatron_overlap.kernels):
-    a new subpackage must be listed there, or a wheel install would lack it."""
+    """A wheel holds what setuptools' package discovery finds: every folder of the package with
+    Python files must be a package (have an __init__.py) and match the discovery pattern."""
     import pathlib
     import tomllib
 
+    from setuptools import find_packages
+
     root = pathlib.Path(__file__).resolve().parents[1]
-    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {"megatron_overlap." + ".".join(p.parent.relative_to(root / "megatron_overlap").parts)
-             for p in (root / "megatron_overlap").rglob("__init__.py") if p.parent != root / "megatron_overlap"}
-    found |= {"megatron_overlap", "megatron_overlap.kernels", "megatron_overlap.kernels.bench"}
-    assert found == listed
+    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    with_code = {".".join(p.parent.relative_to(root).parts) for p in (root / "megatron_overlap").rglob("*.py")
+                 if "__pycache__" not in p.parts}
+    assert with_code == set(find_packages(str(root), include=include))

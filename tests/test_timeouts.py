@@ -20,7 +20,8 @@ def _rank(rank, port, which, results):
     import torch.distributed as dist
 
     from megatron_overlap.comm.rings import split_pieces
-    from megatron_overlap.ops import ag_gemm, gemm_rs
+    from megatron_overlap.tp.ag_gemm import ag_gemm
+    from megatron_overlap.tp.gemm_rs import gemm_rs
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=3))

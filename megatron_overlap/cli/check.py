@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import platform
-import sys
 from importlib import metadata
 
-from .. import compat
+from ..integration import compat
 
 
 def _version(dist_name: str):
@@ -42,9 +41,9 @@ def report() -> dict:
         "gloo": dist.is_available() and dist.is_gloo_available(),
         "nccl": dist.is_available() and dist.is_nccl_available(),
     }
-    from ..ops import fused, symm_mem
-    from ..patch import resolve_backend
-    from ..config import OverlapConfig
+    from ..tp.backends import fused, symm_mem
+    from ..tp.plan import resolve_backend
+    from ..config import TPConfig
 
     symm_ok, symm_why = symm_mem.availability()
     fused_ok, fused_why = fused.availability()
@@ -58,7 +57,7 @@ def report() -> dict:
         ),
         "symm-mem": (mcore_ok and symm_ok, symm_why),
         "fused": (mcore_ok and fused_ok, fused_why + ("; not yet validated on GPUs" if fused_ok else "")),
-        "auto": (mcore_ok, f"resolves to {resolve_backend(OverlapConfig(tp='auto'))} here"),
+        "auto": (mcore_ok, f"resolves to {resolve_backend(TPConfig(mode='auto'))} here"),
     }
     info["backends"] = {name: {"usable": ok, "note": note} for name, (ok, note) in backends.items()}
     info["transformer-engine note"] = (

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,25 +24,25 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER)
 
-    from ..demo import add_demo_args
+    from .demo import add_demo_args
 
     add_demo_args(sub.add_parser("demo", help="the CPU demo: stock vs overlapped training on an emulated link"))
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from ..bench.cli import add_mlp_args
+    from .bench import add_mlp_args
 
     add_mlp_args(bench_sub.add_parser("mlp", help="MLP block fwd+bwd, stock vs overlap, emulated link"))
-    from ..bench.cli import add_attention_args
+    from .bench import add_attention_args
 
     add_attention_args(bench_sub.add_parser(
         "attention", help="ring attention fwd+bwd (context parallelism), overlapped vs waited, emulated link"))
-    from ..hdp.bench import add_hdp_args
+    from .bench_hdp import add_hdp_args
 
     add_hdp_args(bench_sub.add_parser(
         "hdp", help="hybrid data parallelism: static CP vs megatron-core's balanced scheduler vs HDP (cost model)"))
 
-    from ..cost.cli_plan import add_plan_args
+    from .plan import add_plan_args
 
     add_plan_args(sub.add_parser("plan", help="rank the TP-overlap strategies for a model on a machine (cost model)"))
 
@@ -59,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
-        from .launch import LaunchError, run_script
+        from ..integration.launch import LaunchError, run_script
 
         try:
             run_script(args.script, args.args)
@@ -72,11 +71,11 @@ def main(argv=None) -> int:
 
         return check_main(args.json)
     if args.command == "plan":
-        from ..cost.cli_plan import plan_main
+        from .plan import plan_main
 
         return plan_main(args)
     if args.command == "report":
-        from ..trace import report
+        from ..trace.report import report
 
         try:
             table, png = report(args.directory, args.png or os.path.join(args.directory, "timeline.png"))
@@ -87,19 +86,19 @@ def main(argv=None) -> int:
         print(f"timeline: {png}")
         return 0
     if args.command == "demo":
-        from ..demo import main as demo_main
+        from .demo import main as demo_main
 
         return demo_main(args)
     if args.command == "bench" and args.bench == "hdp":
-        from ..hdp.bench import hdp_main
+        from .bench_hdp import hdp_main
 
         return hdp_main(args)
     if args.command == "bench" and args.bench == "attention":
-        from ..bench.cli import attention_main
+        from .bench import attention_main
 
         return attention_main(args)
     if args.command == "bench" and args.bench == "mlp":
-        from ..bench.cli import mlp_main
+        from .bench import mlp_main
 
         return mlp_main(args)
     raise AssertionError(args)

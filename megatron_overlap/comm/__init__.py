@@ -3,14 +3,7 @@
 Nothing in this package imports Megatron.
 """
 
-from .rings import (
-    A2AReduceScatter,
-    Piece,
-    RingAllGather,
-    RingReduceScatter,
-    make_reduce_scatter,
-    split_pieces,
-)
+from .rings import A2AReduceScatter, Piece, RingAllGather, RingReduceScatter, make_reduce_scatter, split_pieces
 
 __all__ = [
     "A2AReduceScatter",

@@ -16,8 +16,9 @@ computes its partial for the rows of rank ``r - d*(i+1)``, adds the running sum 
 ``r - d``, and sends the sum on to ``r + d``; at step R-1 the destination is r itself. The
 all-to-all variant sends each partial straight to its owner, which adds them up locally.
 
-Tags keep concurrent streams apart on gloo; NCCL matches by order, which every rank follows
-identically because all loops here run in the same (step, piece) order on every rank.
+Tags (``comm.tags``: one named stream per engine) keep concurrent streams apart on gloo; NCCL
+matches by order, which every rank follows identically because all loops here run in the same
+(step, piece) order on every rank.
 """
 
 from __future__ import annotations
@@ -28,16 +29,13 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..trace import wait
+from ..trace.tracer import wait
+from . import tags
 from .p2p import exchange
 
 # Partial-sum producer: (destination group rank, piece, optional output view) -> tensor of
 # shape [piece.stop - piece.start, *rest]; when ``out`` is given the result is written there.
 PartialFn = Callable[[int, "Piece", Optional[torch.Tensor]], torch.Tensor]
-
-# Each stream (tag 1, 2, ...) owns 2**16 tags. Gloo matches P2P tags on their low 24 bits
-# only, so every tag used here stays below 2**23 (the emulated link uses the bit above).
-_TAG_STRIDE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -82,22 +80,22 @@ def split_pieces(rows: int, chunks: int, bidirectional: bool = False, taper: boo
 
 
 class _RingBase:
-    def __init__(self, group: dist.ProcessGroup, pieces: Sequence[Piece], shard_rows: int, tag: int):
+    def __init__(self, group: dist.ProcessGroup, pieces: Sequence[Piece], shard_rows: int, stream: str):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.pieces = tuple(pieces)
         self.shard_rows = shard_rows
-        self.tag = tag * _TAG_STRIDE
-        if self.size * len(self.pieces) > _TAG_STRIDE:
-            raise ValueError(f"{self.size} ranks x {len(self.pieces)} pieces exceed the {_TAG_STRIDE} tags of a ring")
+        self.stream = stream
+        if self.size * len(self.pieces) > tags.STREAM_SIZE:
+            raise ValueError(f"{self.size} ranks x {len(self.pieces)} pieces exceed the {tags.STREAM_SIZE} tags of a ring")
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def _peer(self, offset: int) -> int:
         return (self.rank + offset) % self.size
 
     def _tag(self, step: int, k: int) -> int:
-        return self.tag + step * len(self.pieces) + k
+        return tags.tag(self.stream, step * len(self.pieces) + k)
 
     def rows_of(self, owner: int, piece: Piece) -> slice:
         """Rows of ``piece`` of rank ``owner`` inside the gathered [R*s, ...] tensor."""
@@ -126,10 +124,10 @@ class RingAllGather(_RingBase):
         gathered: torch.Tensor,
         group: dist.ProcessGroup,
         pieces: Sequence[Piece],
-        tag: int = 1,
+        stream: str = "tp.ring_all_gather",
         copy_own: bool = False,
     ):
-        super().__init__(group, pieces, x_shard.shape[0], tag)
+        super().__init__(group, pieces, x_shard.shape[0], stream)
         self.x_shard = x_shard
         self.gathered = gathered
         self._recvs: dict[tuple[int, int], dist.Work] = {}
@@ -194,8 +192,8 @@ class RingAllGather(_RingBase):
 
 
 class _ReduceScatterBase(_RingBase):
-    def __init__(self, out_shard: torch.Tensor, group, pieces: Sequence[Piece], partial: PartialFn, tag: int):
-        super().__init__(group, pieces, out_shard.shape[0], tag)
+    def __init__(self, out_shard: torch.Tensor, group, pieces: Sequence[Piece], partial: PartialFn, stream: str):
+        super().__init__(group, pieces, out_shard.shape[0], stream)
         self.out = out_shard
         self.partial = partial
         self._recvs: dict = {}
@@ -227,9 +225,9 @@ class RingReduceScatter(_ReduceScatterBase):
         group: dist.ProcessGroup,
         pieces: Sequence[Piece],
         partial: PartialFn,
-        tag: int = 2,
+        stream: str = "tp.ring_reduce_scatter",
     ):
-        super().__init__(out_shard, group, pieces, partial, tag)
+        super().__init__(out_shard, group, pieces, partial, stream)
 
     def dest(self, step: int, piece: Piece) -> int:
         return self._peer(-piece.direction * (step + 1))
@@ -281,9 +279,9 @@ class A2AReduceScatter(_ReduceScatterBase):
         group: dist.ProcessGroup,
         pieces: Sequence[Piece],
         partial: PartialFn,
-        tag: int = 3,
+        stream: str = "tp.a2a_reduce_scatter",
     ):
-        super().__init__(out_shard, group, pieces, partial, tag)
+        super().__init__(out_shard, group, pieces, partial, stream)
 
     def run(self, step: int, k: int):
         piece = self.pieces[k]
@@ -308,10 +306,10 @@ class A2AReduceScatter(_ReduceScatterBase):
         return self.out
 
 
-def make_reduce_scatter(algo: str, out_shard, group, pieces, partial, tag: int = 2):
-    """The reduce-scatter engine for ``--overlap-tp-rs`` (``ring`` or ``a2a``)."""
+def make_reduce_scatter(algo: str, out_shard, group, pieces, partial):
+    """The reduce-scatter engine of ``algo`` (``ring`` or ``a2a``, ``tp.rs``)."""
     if algo == "ring":
-        return RingReduceScatter(out_shard, group, pieces, partial, tag)
+        return RingReduceScatter(out_shard, group, pieces, partial)
     if algo == "a2a":
-        return A2AReduceScatter(out_shard, group, pieces, partial, tag)
+        return A2AReduceScatter(out_shard, group, pieces, partial)
     raise ValueError(f"unknown reduce-scatter algorithm {algo!r}")

@@ -11,7 +11,10 @@ from .layout import zigzag_index, zigzag_slice
 from .packed import pad_cu_seqlens, pad_packed, partition_index, real_index, thd_batch_on_this_cp_rank
 from .reference import reference_attention
 
+CP_MODES = ("off",) + MODES  # the values of OverlapConfig.cp (--overlap-cp); config imports them
+
 __all__ = [
+    "CP_MODES",
     "MODES",
     "BlockWork",
     "block_attention",

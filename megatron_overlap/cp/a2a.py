@@ -29,11 +29,12 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..comm import tags
 from ..comm.p2p import exchange
 from ..errors import OverlapConfigError
 from .layout import RingLayout, ZigzagLayout, group_to_natural
 from .packed import PackedLayout, PackedSpec, TokenInfo
-from .ring import TAG_A2A, Ring, RingOptions, ring_attention
+from .ring import Ring, RingOptions, ring_attention
 
 
 class Members:
@@ -44,7 +45,7 @@ class Members:
         self.group, self.size, self.pos = group, self.ring.size, self.ring.pos
 
 
-def _swap(parts: list, members: Members, recv_shape, tag: int) -> list:
+def _swap(parts: list, members: Members, recv_shape, stream: str) -> list:
     """``parts[m]`` goes to member m; returns what each member sent us (our own part kept)."""
     got = [None] * members.size
     got[members.pos] = parts[members.pos]
@@ -53,7 +54,7 @@ def _swap(parts: list, members: Members, recv_shape, tag: int) -> list:
         dst, src = members.ring.at(off), members.ring.at(-off)
         buf = parts[dst].new_empty(recv_shape)
         s_work, r_work = exchange(members.group, send=parts[dst], dst=members.ring.peer(off), recv=buf,
-                                  src=members.ring.peer(-off), tag=tag + off)
+                                  src=members.ring.peer(-off), tag=tags.tag(stream, off))
         pending.append((s_work, parts[dst]))
         pending.append((r_work, buf))
         got[src] = buf
@@ -62,24 +63,24 @@ def _swap(parts: list, members: Members, recv_shape, tag: int) -> list:
     return got
 
 
-def seq_to_head(tensors: Sequence[torch.Tensor], members: Members, tag: int = TAG_A2A) -> list:
+def seq_to_head(tensors: Sequence[torch.Tensor], members: Members, stream: str = "cp.a2a") -> list:
     """``[rows, b, H_t, d]`` each -> ``[U*rows, b, H_t/U, d]`` each (module docstring)."""
     U = members.size
     heads = [t.shape[2] // U for t in tensors]
     parts = [torch.cat([t[:, :, m * h:(m + 1) * h] for t, h in zip(tensors, heads)], dim=2).contiguous()
              for m in range(U)]
-    got = _swap(parts, members, parts[0].shape, tag)
+    got = _swap(parts, members, parts[0].shape, stream)
     gathered = torch.cat(got, dim=0)
     return list(gathered.split(heads, dim=2))
 
 
-def head_to_seq(tensors: Sequence[torch.Tensor], members: Members, tag: int = TAG_A2A) -> list:
+def head_to_seq(tensors: Sequence[torch.Tensor], members: Members, stream: str = "cp.a2a") -> list:
     """``[U*rows, b, H_t/U, d]`` each -> ``[rows, b, H_t, d]`` each (the inverse of seq_to_head)."""
     U = members.size
     rows = tensors[0].shape[0] // U
     heads = [t.shape[2] for t in tensors]
     parts = [torch.cat([t[m * rows:(m + 1) * rows] for t in tensors], dim=2).contiguous() for m in range(U)]
-    got = _swap(parts, members, parts[0].shape, tag)
+    got = _swap(parts, members, parts[0].shape, stream)
     per_member = [g.split(heads, dim=2) for g in got]
     return [torch.cat([pm[n] for pm in per_member], dim=2) for n in range(len(tensors))]
 
@@ -93,7 +94,7 @@ class _SeqToHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         grads = [torch.zeros_like(g) if g is None else g for g in grads]
-        return (None, *head_to_seq(grads, ctx.members, tag=TAG_A2A + 0x100))
+        return (None, *head_to_seq(grads, ctx.members, stream="cp.a2a_grad_out"))
 
 
 class _HeadToSeq(torch.autograd.Function):
@@ -105,7 +106,7 @@ class _HeadToSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         grads = [torch.zeros_like(g) if g is None else g for g in grads]
-        return (None, *seq_to_head(grads, ctx.members, tag=TAG_A2A + 0x200))
+        return (None, *seq_to_head(grads, ctx.members, stream="cp.a2a_grad_in"))
 
 
 def check_a2a_heads(q_heads: int, kv_heads: int, size: int, flag: str, alternative: str):
@@ -152,9 +153,9 @@ def headsplit_attention(q, k, v, *, causal: bool, scale: float, group, a2a_ranks
 def ulysses_attention(q, k, v, *, causal: bool, scale: float, group, ranks: Sequence[int],
                       spec: Optional[PackedSpec] = None, opts: Optional[RingOptions] = None) -> torch.Tensor:
     """Ulysses over ``ranks`` (CP position = index in ``ranks``): see the module docstring."""
-    check_a2a_heads(q.shape[2], k.shape[2], len(ranks), "--overlap-cp",
-                    "Use --overlap-cp ring (any head count) or --overlap-cp hybrid with an "
-                    "--overlap-cp-a2a-size that divides the heads.")
+    check_a2a_heads(q.shape[2], k.shape[2], len(ranks), "cp.mode",
+                    "Use `cp.mode` ring (any head count) or `cp.mode` hybrid with an "
+                    "`cp.a2a_size` that divides the heads.")
     me = dist.get_rank(group)
     return headsplit_attention(q, k, v, causal=causal, scale=scale, group=group, a2a_ranks=ranks, ring_ranks=[me],
                                spec=spec, cp_positions=[list(range(len(ranks)))], opts=opts)

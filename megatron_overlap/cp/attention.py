@@ -39,10 +39,10 @@ def check_seq_length(seq_length: int, cp_size: int):
     """Unpacked sequences are cut in 2 x CP chunks (Megatron's load-balanced layout)."""
     if cp_size > 1 and seq_length % (2 * cp_size):
         raise OverlapConfigError(
-            "--seq-length",
+            "megatron.seq_length",
             f"sequence length {seq_length} is not a multiple of 2 x context-parallel size = {2 * cp_size}: "
             "context parallelism cuts every sequence in 2 x CP equal chunks (2 per rank, for causal load "
-            "balance); pad the sequence or change --context-parallel-size",
+            "balance); pad the sequence or change `megatron.context_parallel_size`",
         )
 
 
@@ -51,15 +51,15 @@ def check_cp_config(mode: str, cp_size: int, q_heads: int, kv_heads: int, a2a_si
     """Every check that needs no tensor: the mode, head counts per tensor-parallel rank against
     the all-to-all size, the hybrid group size, the (unpacked) sequence length."""
     if mode not in MODES:
-        raise OverlapConfigError("--overlap-cp", f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+        raise OverlapConfigError("cp.mode", f"unknown mode {mode!r}; one of {', '.join(MODES)}")
     if mode == "a2a":
-        check_a2a_heads(q_heads, kv_heads, cp_size, "--overlap-cp",
-                        "Use --overlap-cp ring (any head count) or --overlap-cp hybrid with an "
-                        "--overlap-cp-a2a-size that divides the heads.")
+        check_a2a_heads(q_heads, kv_heads, cp_size, "cp.mode",
+                        "Use `cp.mode` ring (any head count) or `cp.mode` hybrid with an "
+                        "`cp.a2a_size` that divides the heads.")
     if mode == "hybrid":
         check_hybrid_size(cp_size, a2a_size)
-        check_a2a_heads(q_heads, kv_heads, a2a_size, "--overlap-cp-a2a-size",
-                        "Pick an --overlap-cp-a2a-size that divides both head counts, or use --overlap-cp ring.")
+        check_a2a_heads(q_heads, kv_heads, a2a_size, "cp.a2a_size",
+                        "Pick an `cp.a2a_size` that divides both head counts, or use `cp.mode` ring.")
     if seq_length is not None:
         check_seq_length(seq_length, cp_size)
 
@@ -101,7 +101,7 @@ def cp_attention(
     positions, ring across). ``overlap=False`` (ring traffic not overlapped) and ``work``
     (counts score elements) serve the benchmark and the tests."""
     if mode not in MODES:
-        raise OverlapConfigError("--overlap-cp", f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+        raise OverlapConfigError("cp.mode", f"unknown mode {mode!r}; one of {', '.join(MODES)}")
     ranks = list(range(dist.get_world_size(group))) if ranks is None else [int(r) for r in ranks]
     n = len(ranks)
     squeeze = packed is not None and q.dim() == 3

@@ -28,13 +28,13 @@ from .ring import RingOptions
 def check_hybrid_size(cp_size: int, a2a_size: Optional[int]):
     if a2a_size is None:
         raise OverlapConfigError(
-            "--overlap-cp-a2a-size",
-            f"--overlap-cp hybrid needs --overlap-cp-a2a-size U: all-to-all inside groups of U "
+            "cp.a2a_size",
+            f"`cp.mode` hybrid needs `cp.a2a_size` U: all-to-all inside groups of U "
             f"consecutive context-parallel ranks, a ring across the groups (U divides {cp_size})",
         )
     if a2a_size < 1 or cp_size % a2a_size:
         raise OverlapConfigError(
-            "--overlap-cp-a2a-size",
+            "cp.a2a_size",
             f"hybrid context parallelism needs an all-to-all group size U >= 1 dividing the "
             f"context-parallel size {cp_size}, got {a2a_size}",
         )
@@ -46,8 +46,8 @@ def hybrid_attention(q, k, v, *, causal: bool, scale: float, group, ranks: Seque
     ``[rows, b, hq, d]``."""
     n, U = len(ranks), a2a_size
     check_hybrid_size(n, U)
-    check_a2a_heads(q.shape[2], k.shape[2], U, "--overlap-cp-a2a-size",
-                    "Pick an --overlap-cp-a2a-size that divides both head counts, or use --overlap-cp ring.")
+    check_a2a_heads(q.shape[2], k.shape[2], U, "cp.a2a_size",
+                    "Pick an `cp.a2a_size` that divides both head counts, or use `cp.mode` ring.")
     ranks = list(ranks)
     x = ranks.index(dist.get_rank(group)) if dist.get_rank(group) in ranks else None
     if x is None:

@@ -128,7 +128,7 @@ class PackedSpec:
         m = pad_multiple(cp_size)
         if (padded % m).any():
             raise OverlapConfigError(
-                "--overlap-cp",
+                "cp.mode",
                 f"packed documents of padded lengths {padded.tolist()} are not multiples of 2 x CP = {m}: "
                 "every document must be padded to a multiple of 2 x context-parallel size "
                 "(cu_seqlens_q_padded; megatron_overlap.cp.packed.pad_cu_seqlens computes it)",

@@ -32,14 +32,10 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..comm import tags
 from ..comm.p2p import exchange
 from .block import BlockPlan, BlockWork, attention_delta, block_attention, block_backward, merge_partial, pick
 from .layout import RingLayout
-
-# Tag streams (2**16 tags each) above the TP rings' (1-3), below 2**23 (gloo matches 24 bits,
-# the emulated link uses bit 23).
-_STREAM = 1 << 16
-TAG_KV_FWD, TAG_KV_BWD, TAG_DKV, TAG_A2A = 8 * _STREAM, 9 * _STREAM, 10 * _STREAM, 11 * _STREAM
 
 
 class Ring:
@@ -74,11 +70,8 @@ class RingOptions:
     work: Optional[BlockWork] = None
 
 
-def _tag(stream: int, step: int, piece: int, pieces: int) -> int:
-    tag = stream + step * pieces + piece
-    if tag >= stream + _STREAM:
-        raise ValueError("too many ring steps x pieces for one tag stream")
-    return tag
+def _tag(stream: str, step: int, piece: int, pieces: int) -> int:
+    return tags.tag(stream, step * pieces + piece)
 
 
 def _count(opts: RingOptions, q: torch.Tensor, k: torch.Tensor, backward: bool):
@@ -163,7 +156,7 @@ def ring_forward(q, k, v, layout: RingLayout, ring: Ring, scale: float, opts: Ri
         send = current if layout.travels(ring.at(-step), i) else None
         buf = k.new_empty(piece_shape(i)) if layout.travels(ring.at(-step - 1), i) else None
         s_work, r_work = exchange(ring.group, send=send, dst=ring.peer(1), recv=buf, src=ring.peer(-1),
-                                  tag=_tag(TAG_KV_FWD, step, i, P))
+                                  tag=_tag("cp.kv_forward", step, i, P))
         sends.add(s_work, send, wait_now=not opts.overlap)
         if r_work is not None:
             if not opts.overlap:
@@ -225,7 +218,7 @@ def ring_backward(dout, q, k, v, out, lse, kept, layout: RingLayout, ring: Ring,
         send = current if layout.travels(ring.at(t), i) else None
         buf = k.new_empty(piece_shape(i)) if layout.travels(ring.at(t + 1), i) else None
         s_work, r_work = exchange(ring.group, send=send, dst=ring.peer(-1), recv=buf, src=ring.peer(1),
-                                  tag=_tag(TAG_KV_BWD, t, i, P))
+                                  tag=_tag("cp.kv_backward", t, i, P))
         sends.add(s_work, send, wait_now=not opts.overlap)
         if r_work is not None:
             if not opts.overlap:
@@ -238,7 +231,7 @@ def ring_backward(dout, q, k, v, out, lse, kept, layout: RingLayout, ring: Ring,
         contributors = [ring.at(c) for c in range(1, t + 1)]
         if layout.active(ring.at(t + 1), i, contributors):
             buf = torch.empty(piece_shape(i), dtype=torch.float32, device=k.device)
-            _, r_work = exchange(ring.group, recv=buf, src=ring.peer(1), tag=_tag(TAG_DKV, t, i, P))
+            _, r_work = exchange(ring.group, recv=buf, src=ring.peer(1), tag=_tag("cp.dkv", t, i, P))
             dkv_in[(t + 1, i)] = (r_work, buf)
 
     held = kept
@@ -276,7 +269,7 @@ def ring_backward(dout, q, k, v, out, lse, kept, layout: RingLayout, ring: Ring,
                 work.wait()
                 acc = buf if acc is None else buf.add_(acc)
             if acc is not None:
-                s_work, _ = exchange(ring.group, send=acc, dst=ring.peer(-1), tag=_tag(TAG_DKV, t, i, P))
+                s_work, _ = exchange(ring.group, send=acc, dst=ring.peer(-1), tag=_tag("cp.dkv", t, i, P))
                 sends.add(s_work, acc, wait_now=not opts.overlap)
         held = current
     own = layout.own(x)

@@ -7,15 +7,20 @@ ceil(L / C) ranks, every rank's work per step balanced.
     plan.py        a step's plan as data (per rank, ordered micro-batches) and its invariants
     simulate.py    the step's timeline from a plan
     scheduler.py   the HDP scheduler (``schedule_hdp``)
-    baselines.py   ``static`` CP and megatron-core's ``BalancedCPScheduler``, as plans
-    bench.py       ``megatron-overlap bench hdp``: the three on the same batches and cost model
-    runtime.py     ``--hdp`` on real ranks: lengths all-gathered, the plan, the sample exchange,
-                   micro-batches with their rings and true positions, exact loss normalisation
-    demo.py        ``run_hdp_demo``: static CP vs HDP on 4 CPU gloo ranks, per-rank busy time
+    baselines.py   ``static`` CP, and megatron-core's ``BalancedCPScheduler`` output as a plan
+    checks.py      model settings the runtime cannot honour (at install)
+    samples.py     a rank's share of the global batch (``Sample``, ``as_samples``)
+    layout.py      which token rows a rank holds in a micro-batch (pure, from the plan)
+    exchange.py    the lengths all-gather and the one row all-to-all, over an explicit group
+    runtime.py     ``--hdp`` on real ranks: plan, exchange, micro-batches with their rings and
+                   true positions, exact loss normalisation, Megatron's per-token-loss contract
 
-Only ``runtime`` (and ``demo``, through it) communicates, and neither is imported here (they
-need torch and megatron-core); megatron-core's scheduler is imported only when
-``schedule_megatron_balanced`` runs.
+``megatron-overlap bench hdp`` and ``demo --hdp`` live in ``cli/`` (and ``lab/``).
+
+Only ``runtime`` and ``exchange`` communicate, over an explicit group, and neither is imported
+here. Nothing in this package imports Megatron: the runtime's model adapter and megatron-core's
+``BalancedCPScheduler`` (the benchmarks' peer) come from ``integration.hdp`` and
+``integration.baselines``.
 """
 
 from .cost import HdpCostModel
@@ -46,13 +51,7 @@ def _static(*args, **kwargs):
     return schedule_static(*args, **kwargs)
 
 
-def _megatron(*args, **kwargs):
-    from .baselines import schedule_megatron_balanced
-
-    return schedule_megatron_balanced(*args, **kwargs)
-
-
-SCHEDULERS = {"static": _static, "megatron_balanced": _megatron, "hdp": schedule_hdp}
+SCHEDULERS = {"static": _static, "hdp": schedule_hdp}  # megatron-core's: integration.baselines
 
 
 def schedule(name: str, seq_lens, ranks: int, capacity_tokens: int, cost=None, **kwargs) -> Plan:

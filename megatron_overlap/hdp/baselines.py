@@ -40,7 +40,6 @@ What it cannot place, and what the adapter does instead (recorded in ``Plan.note
 from __future__ import annotations
 
 import math
-import warnings
 from typing import List, Optional, Sequence, Tuple
 
 from .cost import HdpCostModel
@@ -118,13 +117,11 @@ def _megatron_cp_size(seq_len: int, max_per_rank: int) -> int:
     return max(1, 2 ** math.ceil(math.log2(seq_len / max_per_rank)))
 
 
-def schedule_megatron_balanced(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
-                               cost: Optional[HdpCostModel] = None) -> Plan:
-    """megatron-core's ``BalancedCPScheduler``, converted to a ``Plan`` (module docstring)."""
-    with warnings.catch_warnings():  # megatron-core warns on import about Transformer Engine / Apex
-        warnings.simplefilter("ignore")
-        from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
-
+def schedule_balanced_cp(scheduler_cls, seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
+                         cost: Optional[HdpCostModel] = None) -> Plan:
+    """``scheduler_cls`` (megatron-core's ``BalancedCPScheduler``, handed in by
+    ``integration.baselines``, which imports it) run on one batch and converted to a ``Plan``
+    (module docstring)."""
     lens = check_batch(seq_lens, ranks, capacity_tokens)
     R, C = ranks, capacity_tokens
     per_rank = 2 * (C // 2) if C > 1 else C
@@ -137,7 +134,7 @@ def schedule_megatron_balanced(seq_lens: Sequence[int], ranks: int, capacity_tok
     phases: List[List[int]] = [[] for _ in range(R)]
     groups = []
     if fits:
-        scheduler = BalancedCPScheduler(max_seq_len_per_rank=per_rank, dp_cp_group=_Group(R))
+        scheduler = scheduler_cls(max_seq_len_per_rank=per_rank, dp_cp_group=_Group(R))
         try:
             _, groups = scheduler.get_groups_and_subsamples(fits, None)
         except (AssertionError, IndexError, KeyError, ValueError) as exc:

@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
-from ..cost.comm import transfer_ms
-from ..cost.hardware import HardwareSpec, Link, get_hardware
-from ..cost.models import ModelSpec, get_model
+from ..tune.comm import transfer_ms
+from ..tune.hardware import HardwareSpec, Link, get_hardware
+from ..tune.models import ModelSpec, get_model
 
 RING_PASSES = 3  # key/value blocks forward, key/value blocks again and dK/dV blocks backward
 

@@ -74,7 +74,7 @@ from .plan import Plan
 from .shard import Shard, ranks_needed, rows_held
 
 MODES = ("dp", "pp")
-CAPACITY_FLAG = "--hdp-max-tokens-per-rank"
+CAPACITY_FIELD = "hdp.max_tokens"  # the config field errors about C name
 # An intra-node ring is preferred over an inter-node one that ends earlier by less than this
 # fraction of the ring's duration: the cost model hides most ring traffic behind attention, but
 # an inter-node ring also competes with the gradient all-reduce, which the model leaves out.
@@ -92,7 +92,7 @@ def check_batch(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, mode:
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks (DP x CP) must be a positive integer, got {ranks!r}")
     if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens <= 0:
-        raise OverlapConfigError(CAPACITY_FLAG, f"must be a positive number of tokens, got {capacity_tokens!r}; "
+        raise OverlapConfigError(CAPACITY_FIELD, f"must be a positive number of tokens, got {capacity_tokens!r}; "
                                  f"set it to the tokens one rank fits in a micro-batch (e.g. the sequence "
                                  f"length of a run without context parallelism)")
     lens = tuple(seq_lens)
@@ -109,10 +109,10 @@ def check_batch(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, mode:
         if capacity_tokens < 2 or ranks_needed(length, capacity_tokens) > ranks:
             need = 2 * -(-length // (2 * ranks))  # smallest even C with ceil(L / C) <= R
             raise OverlapConfigError(
-                CAPACITY_FLAG,
+                CAPACITY_FIELD,
                 f"sequence {i} has {length} tokens, more than the {ranks} ranks hold at {capacity_tokens} "
                 f"tokens each (R x C = {ranks * capacity_tokens}; a zigzag shard needs an even C); raise "
-                f"{CAPACITY_FLAG} to at least {need}, use more DP x CP ranks, or truncate the sequence")
+                f"`hdp.max_tokens` to at least {need}, use more DP x CP ranks, or truncate the sequence")
     return lens
 
 

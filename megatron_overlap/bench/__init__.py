@@ -1,1 +1,0 @@
-"""Benchmarks (timed runs under the emulated link); kept apart from the correctness tests."""

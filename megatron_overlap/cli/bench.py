@@ -1,0 +1,86 @@
+"""Command-line front ends of the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .bench_mlp import MLPBench, format_table, run
+
+
+def add_mlp_args(parser: argparse.ArgumentParser):
+    d = MLPBench()
+    parser.add_argument("--hidden", type=int, default=d.hidden)
+    parser.add_argument("--ffn", type=int, default=d.ffn)
+    parser.add_argument("--seq", type=int, default=d.seq)
+    parser.add_argument("--micro-batch", type=int, default=d.micro_batch)
+    parser.add_argument("--tp", type=int, default=d.tp, help="ranks (one per core is the fair setting)")
+    parser.add_argument("--steps", type=int, default=d.steps, help="timed steps per mode")
+    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument("--comm-ratio", type=float, default=d.comm_ratio,
+                        help="link calibrated so transfer time = ratio x compute time")
+    parser.add_argument("--latency-us", type=float, default=d.latency_us)
+    parser.add_argument("--overlap-tp-chunks", dest="chunks", type=int, default=d.chunks)
+    parser.add_argument("--overlap-tp-rs", dest="rs", choices=("ring", "a2a"), default=d.rs)
+    parser.add_argument("--overlap-tp-bidirectional", dest="bidirectional", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--timeline", default="", metavar="PNG", help="draw the last round's timeline here")
+    parser.add_argument("--predict", action="store_true",
+                        help="after the run, time this CPU's GEMM shapes (one thread) and print the cost "
+                        "model's prediction of both step times beside the measurement")
+
+
+def mlp_main(args) -> int:
+    fields = MLPBench.__dataclass_fields__
+    cfg = MLPBench(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+    result = run(cfg, progress=not args.no_progress, timeline_png=args.timeline)
+    print(format_table(result))
+    if args.predict:
+        from ..tune.bench_predict import compare, predict_mlp_bench
+        from ..tune.measure_cpu import measure
+
+        rates = measure(cfg.hidden, cfg.ffn, cfg.seq, cfg.tp)
+        print("\ncost model (cost/bench_predict.py) given this run's link and compute, and these GEMM rates:")
+        print(compare(result, rates))
+        predicted = predict_mlp_bench(result, rates)
+        result["prediction"] = {k: v for k, v in predicted.items() if not k.endswith("_result")}
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def add_attention_args(parser: argparse.ArgumentParser):
+    from .bench_attention import AttentionBench
+
+    d = AttentionBench()
+    parser.add_argument("--cp", type=int, default=d.cp, help="ring size = ranks (one per core is the fair setting)")
+    parser.add_argument("--seq", type=int, default=d.seq, help="whole sequence; each rank holds seq / cp rows")
+    parser.add_argument("--heads", type=int, default=d.heads)
+    parser.add_argument("--kv-heads", type=int, default=d.kv_heads)
+    parser.add_argument("--head-dim", type=int, default=d.head_dim)
+    parser.add_argument("--micro-batch", type=int, default=d.micro_batch)
+    parser.add_argument("--no-causal", dest="causal", action="store_false", help="attention without a mask")
+    parser.add_argument("--steps", type=int, default=d.steps, help="timed rounds")
+    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument("--comm-ratio", type=float, default=d.comm_ratio,
+                        help="link calibrated so one K/V block's transfer = ratio x one block's forward")
+    parser.add_argument("--latency-us", type=float, default=d.latency_us)
+    parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def attention_main(args) -> int:
+    from .bench_attention import AttentionBench, format_table, run
+
+    fields = AttentionBench.__dataclass_fields__
+    try:
+        cfg = AttentionBench(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+    except ValueError as exc:
+        print(f"megatron-overlap bench attention: {exc}", file=__import__("sys").stderr)
+        return 2
+    result = run(cfg, progress=not args.no_progress)
+    print(format_table(result))
+    if args.json:
+        print(json.dumps(result))
+    return 0

@@ -1,0 +1,285 @@
+"""``megatron-overlap bench hdp``: the three schedulers on the same global batches, scored by the
+same cost model and step simulator.
+
+    static              fixed CP size from the longest sequence, greedy token packing (baselines.py)
+    megatron_balanced   megatron-core's BalancedCPScheduler, unmodified (baselines.py)
+    hdp                 ours (scheduler.py)
+
+Batches: ``--lengths-file F`` (one token count per line; a blank line ends a global batch, so a
+file without blank lines is one batch; ``#`` starts a comment), or a built-in distribution,
+drawn with a fixed seed (``--seed``), ``--steps`` batches of ``--batch-tokens`` tokens each
+(default 8 x R x C: 8 micro-batches of C tokens per rank on average; the last sequence drawn
+may overshoot the budget):
+
+    heavy-tailed   lognormal, median 2048 tokens, sigma 1.8, clipped to [64, --max-len]:
+                   most sequences are short; about 6% exceed 32K and hold about 55-60% of the
+                   tokens, about 0.4% are clipped to 256K (the shape of long-context
+                   pre-training data; an assumption of this benchmark, not fitted to a dataset)
+    uniform        every length in [64, --max-len] equally likely
+
+``--max-len`` (default 262144) is lowered to the longest sequence R ranks of C tokens hold
+(C, or R x 2 floor(C/2) on a ring of all R).
+
+Scores, per scheduler, over the steps::
+
+    imbalance              mean over steps of  max_r work_r / mean_r work_r   (busy time, waits excluded)
+    step_time_ms           mean over steps of the simulated step (simulate.py: ring peers wait for
+                           each other, phases end with a barrier)
+    cp_comm_bytes          mean over steps of the bytes all ranks send through rings (Plan.cp_comm_bytes)
+    microbatches_per_rank  min and max over ranks and steps of non-empty micro-batches
+
+The cost model: ``HdpCostModel.named(--hardware, --model)``, by default an H100 SXM (989 TFLOPS
+bf16, NVLink within 8-GPU nodes, 50 GB/s per GPU across) running Llama-3-8B whole (TP = 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import functools
+import re
+import sys
+import time
+from typing import Dict, List, Sequence
+
+from ..tune.hardware import HARDWARE
+from ..tune.models import MODELS
+from ..errors import OverlapConfigError
+from ..hdp.cost import HdpCostModel
+from ..hdp.scheduler import CAPACITY_FIELD, MODES
+
+DISTRIBUTIONS = ("heavy-tailed", "uniform")
+SCHEDULER_NAMES = ("static", "megatron_balanced", "hdp")
+MIN_LEN = 64
+HEAVY_MEDIAN = 2048
+HEAVY_SIGMA = 1.8
+
+
+def max_len_for(ranks: int, capacity_tokens: int, max_len: int) -> int:
+    """``max_len`` lowered to the longest sequence R ranks hold: C on one rank, R x 2 floor(C/2)
+    on a ring of all R (a zigzag shard needs an even C)."""
+    return max(1, min(max_len, max(capacity_tokens, ranks * 2 * (capacity_tokens // 2))))
+
+
+def draw_batches(distribution: str, steps: int, batch_tokens: int, max_len: int, seed: int = 0) -> List[List[int]]:
+    """``steps`` batches of at least ``batch_tokens`` tokens from a built-in distribution (module
+    docstring); the same arguments give the same batches on every machine (``random.Random``)."""
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"unknown distribution {distribution!r}: choose one of {', '.join(DISTRIBUTIONS)}")
+    if steps < 1 or batch_tokens < 1:
+        raise ValueError(f"steps and batch tokens must be >= 1, got {steps} and {batch_tokens}")
+    rng = random.Random(f"hdp-{distribution}-{seed}")  # a str seed goes through sha512: no hash()
+    hi = max(1, max_len)
+    lo = min(MIN_LEN, hi)
+    batches = []
+    for _ in range(steps):
+        batch, total = [], 0
+        while total < batch_tokens:
+            if distribution == "heavy-tailed":
+                length = int(round(rng.lognormvariate(math.log(HEAVY_MEDIAN), HEAVY_SIGMA)))
+            else:
+                length = rng.randint(lo, hi)
+            length = min(hi, max(lo, length))
+            batch.append(length)
+            total += length
+        batches.append(batch)
+    return batches
+
+
+def read_lengths_file(path: str) -> List[List[int]]:
+    """Batches from a file: one token count per line, a blank line between batches, ``#`` comments."""
+    batches: List[List[int]] = [[]]
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                if not line.lstrip().startswith("#") and batches[-1]:
+                    batches.append([])
+                continue
+            try:
+                length = int(text)
+            except ValueError:
+                raise ValueError(f"{path}:{lineno}: {text!r} is not a token count (one integer per line)") from None
+            batches[-1].append(length)
+    batches = [b for b in batches if b]
+    if not batches:
+        raise ValueError(f"{path}: no sequence lengths (expected one token count per line)")
+    return batches
+
+
+def _shape(note: str) -> str:
+    """A note with its numbers (and lists of numbers) blanked out."""
+    return re.sub(r"\d+(?:, \d+)*", "#", note)
+
+
+def score(plans, cost: HdpCostModel, errors: Sequence[str] = ()) -> Dict:
+    """The scores of one scheduler's plans (module docstring). ``errors``: the steps it could not
+    plan (megatron-core's scheduler failing); scores are over the others, None when none is left.
+    ``notes``: the first step's notes, then any note of a later step that says something else
+    (not only other numbers)."""
+    from ..hdp.simulate import simulate
+
+    imb, step, comm, mbs, notes = [], [], [], [], []
+    for plan in plans:
+        imb.append(plan.imbalance(cost))
+        step.append(simulate(plan, cost).step_ms)
+        comm.append(plan.cp_comm_bytes(cost))
+        mbs.extend(plan.microbatches_per_rank())
+        for note in plan.notes:
+            if _shape(note) not in {_shape(x) for x in notes}:
+                notes.append(note)
+    n = len(plans)
+    out = {
+        "imbalance": sum(imb) / n if n else None,
+        "imbalance_max": max(imb) if n else None,
+        "step_time_ms": sum(step) / n if n else None,
+        "cp_comm_bytes": sum(comm) / n if n else None,
+        "microbatches_per_rank": {"min": min(mbs), "max": max(mbs)} if n else None,
+        "steps": n,
+        "notes": notes,
+    }
+    if errors:
+        out["failed_steps"] = len(errors)
+        out["error"] = errors[0][:500]
+    return out
+
+
+def schedule(name: str, seq_lens, ranks: int, capacity_tokens: int, cost=None, **kwargs):
+    """Plan of scheduler ``name`` (``SCHEDULER_NAMES``): ours and the static baseline from ``hdp``,
+    megatron-core's own through ``integration.baselines``."""
+    from ..hdp import schedule as schedule_ours
+
+    if name == "megatron_balanced":
+        from ..integration.baselines import schedule_megatron_balanced
+
+        return schedule_megatron_balanced(seq_lens, ranks, capacity_tokens, cost)
+    return schedule_ours(name, seq_lens, ranks, capacity_tokens, cost, **kwargs)
+
+
+def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost: HdpCostModel,
+        mode: str = "dp", progress: bool = True) -> Dict:
+    """Schedule every batch with the three schedulers, validate every plan, score them. A batch
+    megatron-core's scheduler fails on is counted in its ``failed_steps`` (baselines.py)."""
+    from tqdm import tqdm
+
+    from ..hdp.baselines import MegatronSchedulerError
+
+    fns = {name: functools.partial(schedule, name, ranks=ranks, capacity_tokens=capacity_tokens, cost=cost,
+                                   **({"mode": mode} if name == "hdp" else {}))
+           for name in SCHEDULER_NAMES}
+    plans = {name: [] for name in SCHEDULER_NAMES}
+    errors = {name: [] for name in SCHEDULER_NAMES}
+    seconds = {name: 0.0 for name in SCHEDULER_NAMES}
+    with tqdm(total=len(batches) * len(SCHEDULER_NAMES), desc="bench hdp: scheduling", unit="plan",
+              disable=not progress, delay=1.0, file=sys.stderr) as bar:
+        for lens in batches:
+            for name in SCHEDULER_NAMES:
+                t0 = time.perf_counter()
+                try:
+                    plan = fns[name](list(lens))
+                except MegatronSchedulerError as exc:
+                    errors[name].append(str(exc))
+                    plan = None
+                seconds[name] += time.perf_counter() - t0
+                if plan is not None:
+                    plan.validate()
+                    plans[name].append(plan)
+                bar.update()
+    out = {}
+    for name in SCHEDULER_NAMES:
+        out[name] = score(plans[name], cost, errors[name])
+        out[name]["schedule_ms"] = 1e3 * seconds[name] / len(batches)
+    return out
+
+
+def format_table(result: Dict) -> str:
+    cfg = result["config"]
+    lines = [
+        f"HDP bench: {cfg['source']}, {cfg['steps']} steps, {cfg['sequences']} sequences "
+        f"({cfg['tokens'] / 1e6:.1f}M tokens), R={cfg['ranks']}, C={cfg['max_tokens_per_rank']}, "
+        f"{cfg['hardware']} / {cfg['model']}, hdp mode {cfg['mode']}",
+        f"{'scheduler':<19}{'imbalance':>10}{'step ms':>11}{'vs static':>10}{'CP GB/step':>12}{'mb/rank':>10}"
+        f"{'sched ms':>10}",
+    ]
+    base = result["schedulers"]["static"]["step_time_ms"]
+    for name, s in result["schedulers"].items():
+        if s["steps"] == 0:
+            lines.append(f"{name:<19}{'failed on every step (see notes)':>40}")
+            continue
+        mb = s["microbatches_per_rank"]
+        lines.append(f"{name:<19}{s['imbalance']:>10.3f}{s['step_time_ms']:>11.0f}{base / s['step_time_ms']:>9.2f}x"
+                     f"{s['cp_comm_bytes'] / 1e9:>12.1f}{str(mb['min']) + '-' + str(mb['max']):>10}"
+                     f"{s['schedule_ms']:>10.0f}")
+    lines.append("imbalance: max/mean per-rank work per step; step ms: simulated; vs static: static step / this step")
+    for name, s in result["schedulers"].items():
+        if s.get("failed_steps"):
+            lines.append(f"  {name}: failed on {s['failed_steps']} of {cfg['steps']} steps: {s['error'][:200]}")
+        for note in s["notes"]:
+            lines.append(f"  {name}: {note}")
+    return "\n".join(lines)
+
+
+def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--lengths-file", default="", metavar="F",
+                        help="one token count per line, a blank line between global batches "
+                             "(default: a built-in distribution)")
+    parser.add_argument("--distribution", choices=DISTRIBUTIONS, default="heavy-tailed",
+                        help="built-in distribution when no --lengths-file is given")
+    parser.add_argument("--ranks", type=int, default=64, help="R = DP x CP ranks")
+    parser.add_argument("--max-tokens-per-rank", type=int, default=32768, metavar="C",
+                        help="C: rows one rank holds in a micro-batch (--hdp-max-tokens-per-rank)")
+    parser.add_argument("--steps", type=int, default=4, help="global batches drawn from the distribution")
+    parser.add_argument("--batch-tokens", type=int, default=0,
+                        help="tokens per drawn global batch (default 8 x R x C)")
+    parser.add_argument("--max-len", type=int, default=262144, help="longest drawn sequence")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mode", choices=MODES, default="dp",
+                        help="hdp balance: dp = each rank's work per step, pp = also similar lengths per "
+                             "micro-batch index")
+    parser.add_argument("--hardware", choices=sorted(HARDWARE), default="h100-sxm")
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
+    parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def hdp_main(args) -> int:
+    R, C = args.ranks, args.max_tokens_per_rank
+    try:
+        if C <= 0:
+            raise OverlapConfigError(CAPACITY_FIELD, f"must be a positive number of tokens, got {C} "
+                                     f"(bench flag --max-tokens-per-rank)")
+        if R < 1:
+            raise ValueError(f"--ranks must be >= 1, got {R}")
+        if args.lengths_file:
+            batches = read_lengths_file(args.lengths_file)
+            source = args.lengths_file
+        else:
+            max_len = max_len_for(R, C, args.max_len)
+            batches = draw_batches(args.distribution, args.steps, args.batch_tokens or 8 * R * C, max_len, args.seed)
+            source = f"{args.distribution} (seed {args.seed}, max {max_len})"
+        cost = HdpCostModel.named(args.hardware, args.model)
+        schedulers = run(batches, R, C, cost, mode=args.mode, progress=not args.no_progress)
+    except (ValueError, OSError) as exc:
+        print(f"bench hdp: {exc}", file=sys.stderr)
+        return 2
+    result = {
+        "schedulers": schedulers,
+        "config": {
+            "source": source,
+            "steps": len(batches),
+            "sequences": sum(len(b) for b in batches),
+            "tokens": sum(sum(b) for b in batches),
+            "ranks": R,
+            "max_tokens_per_rank": C,
+            "mode": args.mode,
+            "hardware": args.hardware,
+            "model": args.model,
+        },
+    }
+    print(format_table(result))
+    if args.json:
+        print(json.dumps(result))
+    return 0

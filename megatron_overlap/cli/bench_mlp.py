@@ -1,0 +1,154 @@
+"""MLP block (Column fc1 -> GeLU -> Row fc2, SP) forward+backward: stock Megatron vs the plugin,
+on the same emulated link, in one run.
+
+Each rank runs with one intra-op thread, as many ranks as cores, so a rank that sleeps on an
+emulated transfer never lends its core to another. The link is calibrated so that a step's
+transfer time equals its compute time (``--comm-ratio 1``): compute is timed by replaying
+this rank's GEMMs and activation on local tensors with no communication at all, and the bytes
+are counted from one stock step. Every round runs the replay, a stock step and an overlapped
+step back to back, so drifts of the machine hit all three alike; the summary takes medians.
+
+Physical limit = max(compute, transfer) per step; stock hides part of its backward
+communication already, so about 1.5x over stock is the ceiling at ratio 1.
+"""
+
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict
+
+from ..lab.mlp_bench import MLPBench
+
+
+def run(cfg: MLPBench, progress: bool = True, timeline_png: str = "") -> dict:
+    """Run the benchmark on ``cfg.tp`` fresh gloo ranks (one thread each); return the summary.
+    With ``timeline_png``, the last round is traced and drawn there."""
+    from tqdm import tqdm
+
+    from ..lab.mlp_bench import MLPBenchRanks
+    from ..lab.rank_pool import RankPool
+    from ..lab.session import RemoteSession
+
+    rounds = []
+    with RankPool(cfg.tp, timeout=1800, threads_per_rank=1) as pool:
+        bar = tqdm(total=cfg.warmup + cfg.steps, desc="MLP bench (replay, free link, emulated link)", unit="round",
+                   disable=not progress)
+        ranks = RemoteSession(pool, MLPBenchRanks, asdict(cfg))
+        total = cfg.warmup + cfg.steps
+        for index in range(total):
+            per_rank = ranks.call("round", index, bool(timeline_png) and index == total - 1)
+            if index >= cfg.warmup:
+                rounds.append(per_rank)
+            bar.update(1)
+        bar.close()
+        closing = ranks.close()
+    result = summarize(cfg, rounds, closing)
+    if timeline_png:
+        result["timeline_png"] = draw_timeline(rounds[-1], timeline_png)
+    return result
+
+
+def draw_timeline(per_rank: list, path: str) -> str:
+    """Both modes of one round, the whole step, per rank: compute, blocked, link."""
+    from ..trace import timeline
+
+    panels = []
+    width = 1e3 * max(r[m]["trace"]["step"][1] - r[m]["trace"]["step"][0] for r in per_rank for m in ("stock", "overlap"))
+    for mode, label in (("stock", "stock Megatron"), ("overlap", "megatron-overlap")):
+        rows = []
+        for rank, r in enumerate(per_rank):
+            trace = r[mode]["trace"]
+            start, end = trace["step"]
+            rows.append((f"rank {rank} compute", "compute",
+                         timeline.clip(timeline.subtract((start, end), trace["blocked"]), start, end)))
+            rows.append((f"rank {rank} blocked", "blocked", timeline.clip(trace["blocked"], start, end)))
+            rows.append((f"rank {rank} link", "link", timeline.clip(trace["link"], start, end)))
+        panels.append(timeline.Panel(f"{label}: MLP fwd+bwd", width, rows))
+    return timeline.draw(panels, path, title="MLP block (fc1 -> GeLU -> fc2), TP + SP, emulated link", columns=1)
+
+
+def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
+    """Medians over rounds; per round, the slowest rank's wall time (a step ends when the last
+    rank is done) and the mean over ranks of link time and blocked time."""
+    compute_ms = statistics.median(1e3 * max(r["compute_s"] for r in per_rank) for per_rank in rounds)
+    result = {"config": asdict(cfg), "link": closing[0]["link"], "compute_ms": compute_ms}
+    for mode in ("stock", "overlap"):
+        wall = [1e3 * max(r[mode]["wall_s"] for r in per_rank) for per_rank in rounds]
+        blocked = [1e3 * statistics.mean(r[mode]["blocked_s"] for r in per_rank) for per_rank in rounds]
+        busy = [1e3 * statistics.mean(r[mode]["busy_s"] for r in per_rank) for per_rank in rounds]
+        nbytes = [max(r[mode]["bytes"] for r in per_rank) for per_rank in rounds]
+        step_ms, comm_ms, exposed_ms = statistics.median(wall), statistics.median(busy), statistics.median(blocked)
+        result[mode] = {
+            "step_ms": step_ms,
+            "step_ms_min": min(wall),
+            "step_ms_max": max(wall),
+            "comm_ms": comm_ms,
+            "exposed_comm_ms": exposed_ms,
+            "exposed_fraction": exposed_ms / comm_ms if comm_ms else 0.0,
+            "bytes_per_step": int(statistics.median(nbytes)),
+        }
+    for mode in ("stock", "overlap"):
+        result[mode]["free_link_step_ms"] = statistics.median(
+            1e3 * max(r[f"{mode}_free"]["wall_s"] for r in per_rank) for per_rank in rounds
+        )
+    limit = max(compute_ms, result["stock"]["comm_ms"])
+    result["limit_ms"] = limit
+    # The same bound with the program's own compute (stock Megatron on a free link: GEMMs plus
+    # framework overhead and the real, un-emulated cost of moving the bytes on this CPU).
+    result["program_limit_ms"] = max(result["stock"]["free_link_step_ms"], result["stock"]["comm_ms"])
+
+    # Ratios per round, then the median: each round measures its limit and both steps within
+    # seconds of each other, so a machine that speeds up or slows down between rounds (a shared
+    # VM does) does not bias them.
+    def per_round(numerator, bound):
+        ratios = []
+        for per_rank in rounds:
+            compute = max(r["compute_s"] for r in per_rank)
+            transfer = statistics.mean(r["stock"]["busy_s"] for r in per_rank)
+            free = max(r["stock_free"]["wall_s"] for r in per_rank)
+            step = max(r[numerator]["wall_s"] for r in per_rank)
+            ratios.append(step / max(compute if bound == "strict" else free, transfer))
+        return statistics.median(ratios)
+
+    result["overlap_vs_limit"] = per_round("overlap", "strict")
+    result["stock_vs_limit"] = per_round("stock", "strict")
+    result["overlap_vs_program_limit"] = per_round("overlap", "program")
+    result["speedup"] = statistics.median(
+        max(r["stock"]["wall_s"] for r in per_rank) / max(r["overlap"]["wall_s"] for r in per_rank)
+        for per_rank in rounds
+    )
+    result["max_rel_diff_vs_stock"] = max(c["parity"] for c in closing)
+    return result
+
+
+def format_table(result: dict) -> str:
+    link, cfg = result["link"], result["config"]
+    lines = [
+        f"MLP block fwd+bwd, hidden {cfg['hidden']}, ffn {cfg['ffn']}, seq {cfg['seq']}, "
+        f"TP={cfg['tp']} + SP, fp32, 1 thread/rank, {cfg['steps']} rounds (medians)",
+        f"link: {link['bandwidth_GBps']:.4f} GB/s egress per rank, {link['latency_us']:.0f} us/message "
+        f"(transfers = {cfg['comm_ratio']:g} x compute)",
+        f"compute only {result['compute_ms']:.1f} ms | transfer {result['stock']['comm_ms']:.1f} ms | "
+        f"limit = max(compute, transfer) {result['limit_ms']:.1f} ms",
+        "",
+        f"{'':18}{'free link':>10}{'emulated':>10}{'x limit':>9}{'exposed comm':>14}{'hidden':>8}{'MB/step':>9}",
+    ]
+    for mode, label in (("stock", "stock Megatron"), ("overlap", "megatron-overlap")):
+        r = result[mode]
+        lines.append(
+            f"{label:18}{r['free_link_step_ms']:>10.1f}{r['step_ms']:>10.1f}"
+            f"{result[mode + '_vs_limit']:>9.2f}{r['exposed_comm_ms']:>14.1f}"
+            f"{100 * (1 - r['exposed_fraction']):>7.0f}%{r['bytes_per_step'] / 1e6:>9.1f}"
+        )
+    lines += [
+        "",
+        "(x limit, speedup: medians of per-round ratios)",
+        f"speedup {result['speedup']:.2f}x over stock on the emulated link; "
+        f"{result['overlap_vs_limit']:.2f}x the limit "
+        f"({result['overlap_vs_program_limit']:.2f}x when compute is stock's own free-link step); "
+        f"max rel. diff of grads vs stock {result['max_rel_diff_vs_stock']:.1e}",
+    ]
+    if result.get("timeline_png"):
+        lines.append(f"timeline: {result['timeline_png']}")
+    return "\n".join(lines)

@@ -1,0 +1,32 @@
+"""Model settings the ``--hdp`` runtime cannot honour, checked at install from the model's
+arguments. Unknown settings pass."""
+
+from __future__ import annotations
+
+from ..errors import OverlapConfigError
+
+
+def check_hdp_model(hdp, ctx) -> None:
+    """``hdp``: the config's HDP section; ``ctx``: a ``config.ModelContext``."""
+    if not hdp.enabled:
+        return
+    if ctx.cp_size is not None and ctx.cp_size > 1:
+        raise OverlapConfigError(
+            "megatron.context_parallel_size",
+            "`hdp.enabled` merges data and context parallelism into one group and picks each sequence's ring "
+            f"itself; set `megatron.context_parallel_size` 1 (got {ctx.cp_size})")
+    if ctx.pp_size is not None and ctx.pp_size > 1:
+        hint = ("`hdp.mode` pp orders micro-batches for pipelines in the scheduler and `bench hdp`, but the "
+                "runtime does not drive Megatron's pipeline schedules yet") if hdp.mode == "pp" else (
+                "`hdp.mode` dp balances whole steps and would let pipeline stages drift apart; `hdp.mode` pp is "
+                "the pipeline mode (scheduler and `bench hdp` only so far)")
+        raise OverlapConfigError(
+            "hdp.enabled", f"with `megatron.pipeline_model_parallel_size` {ctx.pp_size} is not supported: {hint}. "
+            "Use `megatron.pipeline_model_parallel_size` 1 with `hdp.enabled`")
+    if ctx.transformer_impl == "transformer_engine":
+        raise OverlapConfigError(
+            "hdp.enabled", "runs its rings through Megatron's local attention; pass `megatron.transformer_impl` local")
+    if ctx.tp_size is not None and ctx.tp_size > 1:
+        raise OverlapConfigError(
+            "hdp.enabled", f"with `megatron.tensor_model_parallel_size` {ctx.tp_size} is not supported yet: the "
+            "runtime shards sequences across data-parallel ranks only. Use TP 1 with `hdp.enabled`")

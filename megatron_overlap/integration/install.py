@@ -1,0 +1,185 @@
+"""``install()`` / ``uninstall()``: every monkey-patch of Megatron is applied and undone here.
+
+| upstream name                                                   | replaced in          | can go when |
+|-----------------------------------------------------------------|----------------------|-------------|
+| ``tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce`` (and its re-export ``tensor_parallel.<same name>``) | ``linears.py`` (Column + SP -> ``tp``) | Megatron's ColumnParallelLinear takes a pluggable AG-GEMM |
+| ``tensor_parallel.layers.RowParallelLinear.forward``            | ``linears.py`` (Row + SP -> ``tp``) | Megatron's RowParallelLinear takes a pluggable GEMM-RS |
+| ``transformer.dot_product_attention.DotProductAttention.__init__`` / ``.forward`` | ``attention.py`` (``--overlap-cp``, ``--hdp`` -> ``cp``) | Megatron's local attention supports CP |
+| ``megatron.training.training.train_step``                       | ``training.py`` (``--overlap-trace``) | Megatron-LM's loop takes a profiler hook |
+
+``ColumnParallelLinear._forward_impl`` looks the module-level function up at call time, so
+replacing it there reaches every Column layer. RowParallelLinear runs its GEMM and its
+reduce-scatter in two calls, so fusing them needs its ``forward``. The classes themselves are
+never replaced (layer specs import them by name).
+
+No module state: ``install()`` returns the :class:`Installation` it made, and each object it
+puts into Megatron carries that installation (``MARK``), so ``uninstall()`` and
+``find_installation()`` read what is installed off Megatron itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Optional, Union
+
+from ..config import ModelContext, OverlapConfig
+from ..cp.checks import check_cp_model
+from ..cp.ring import RingOptions
+from ..hdp.checks import check_hdp_model
+from ..tp.checks import check_tp_model, tp_overlap_applies
+from . import compat
+
+logger = logging.getLogger("megatron_overlap")
+
+MARK = "__megatron_overlap__"
+
+# Where the patches above live: (module, attribute path). find_installation() looks here.
+PATCH_POINTS = (
+    ("megatron.core.tensor_parallel.layers", "linear_with_grad_accumulation_and_async_allreduce"),
+    ("megatron.core.tensor_parallel.layers", "RowParallelLinear.forward"),
+    ("megatron.core.transformer.dot_product_attention", "DotProductAttention.__init__"),
+    ("megatron.core.transformer.dot_product_attention", "DotProductAttention.forward"),
+    ("megatron.training.training", "train_step"),
+)
+
+
+def _is_rank_zero() -> bool:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    # Megatron parses its args before torch.distributed starts; torchrun/SLURM set RANK.
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def notice(message: str) -> None:
+    """One line on rank 0's log (backticked config fields become flags, as in errors)."""
+    from ..errors import render
+
+    if _is_rank_zero():
+        logger.warning("megatron-overlap: %s", render(message))
+
+
+class Installation:
+    """What one ``install()`` patched, with which config, and the per-run state the patched code
+    needs: the TP planner (``tp``), the wgrad-input prefetch registry, the ring options of CP
+    attention (``RingOptions(overlap=False)``: every transfer waited, the benchmarks' baseline),
+    the notices already given and the shapes already checked."""
+
+    def __init__(self, config: OverlapConfig, context: ModelContext, requested: Optional[OverlapConfig] = None,
+                 ring_options: Optional[RingOptions] = None):
+        from ..tp.linear import PrefetchRegistry
+
+        self.config = config  # in force (``auto`` resolved)
+        self.requested = requested or config  # as asked (re-installs with the same flags are no-ops)
+        self.context = context
+        self.ring_options = ring_options or RingOptions()
+        self.tp = None  # tp.plan.TPPlanner while TP overlap runs
+        self.prefetch = PrefetchRegistry()
+        self.checked: set = set()
+        self._noticed: set = set()
+        self._saved: list = []  # (owner, name, original object)
+
+    @property
+    def patched(self) -> bool:
+        return bool(self._saved)
+
+    def notice_once(self, key: str, message: str) -> None:
+        if key not in self._noticed:
+            self._noticed.add(key)
+            notice(message)
+
+    def set_attr(self, owner: Any, name: str, value: Any) -> None:
+        """Replace ``owner.name`` by ``value``, remembering the exact object it was."""
+        self._saved.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
+        setattr(value, MARK, self)
+        setattr(owner, name, value)
+
+    def uninstall(self) -> None:
+        """Restore every patched attribute to the exact object it was. Idempotent."""
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+
+def find_installation() -> Optional[Installation]:
+    """The installation whose patches are in Megatron now, or None."""
+    for module_name, path in PATCH_POINTS:
+        obj = sys.modules.get(module_name)
+        for part in path.split(".") if obj is not None else ():
+            obj = getattr(obj, part, None)
+        inst = getattr(obj, MARK, None)
+        if inst is not None and inst.patched:
+            return inst
+    return None
+
+
+def is_installed() -> bool:
+    return find_installation() is not None
+
+
+def active_config() -> Optional[OverlapConfig]:
+    """The config in force, read off the installed patches (None: stock Megatron)."""
+    inst = find_installation()
+    return inst.config if inst is not None else None
+
+
+def uninstall() -> None:
+    """Restore Megatron exactly as it was before ``install()``. Idempotent."""
+    inst = find_installation()
+    while inst is not None:
+        inst.uninstall()
+        inst = find_installation()
+
+
+def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[RingOptions] = None) -> Installation:
+    """Apply the patches the flags ask for; return the :class:`Installation` (``.config`` is the
+    config in force).
+
+    ``args_or_config``: Megatron's parsed args, a namespace holding only the plugin's flags
+    (from a parser filled by ``add_overlap_args``), or an ``OverlapConfig``. Settings the args do
+    not carry (TP size, sequence parallelism) are checked when a patched layer first runs.
+    Installing again with the same arguments changes nothing (Megatron parses its arguments
+    several times per run); with other arguments it replaces the installation; with nothing
+    asked it uninstalls. ``ring_options``: how CP attention's ring runs (the lab's waited-ring
+    baseline); default: overlapped.
+    """
+    config = OverlapConfig.from_args(args_or_config)
+    full_args = hasattr(args_or_config, "tensor_model_parallel_size")
+    context = ModelContext.from_megatron_args(args_or_config) if full_args else ModelContext()
+    if config.stock:
+        check_cp_model(config.cp, context)  # CP > 1 on the local path needs --overlap-cp
+        uninstall()  # nothing to patch, nothing to check: also no Megatron version needed
+        return Installation(config, context)
+    compat.check_megatron_version()
+    check_tp_model(config.tp, context)
+    check_hdp_model(config.hdp, context)
+    check_cp_model(config.cp, context)
+
+    current = find_installation()
+    if current is not None:
+        if (current.requested, current.context, current.ring_options) == (config, context, ring_options or RingOptions()):
+            return current
+        uninstall()
+    tp_on = tp_overlap_applies(config.tp, context)
+    if config.tp.enabled and not tp_on:
+        notice(f"`tp.mode` {config.tp.mode} has nothing to overlap with tensor-parallel size 1; running stock "
+               "Megatron")
+    cp_on = (config.cp.enabled and (context.cp_size is None or context.cp_size > 1)) or config.hdp.enabled
+    if not tp_on and not config.trace.enabled and not cp_on:
+        return Installation(config, context)
+
+    from . import attention, linears, training
+
+    requested = config
+    if tp_on:
+        config = config.replace(tp=linears.resolve_auto(config.tp, args_or_config if full_args else None, notice))
+    inst = Installation(config, context, requested, ring_options)
+    if config.tp.enabled and tp_on:
+        linears.patch(inst)
+    attention.patch(inst, forward=cp_on)
+    if config.trace.enabled:
+        training.patch_train_step(inst)
+    return inst

@@ -1,0 +1,152 @@
+"""Megatron's Column/Row parallel linears -> ``tp`` (patch table in ``install.py``).
+
+Everything that is not an SP layer with TP > 1 and a trainable weight (frozen weights, MoE
+experts with explicit communication, 0.19's GTP-sharded weights) goes to Megatron's original
+code untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..config import ModelContext
+from ..tp.checks import check_tp_model
+from ..tp.linear import ColumnParallelSP, RowParallelSP, TPComm, WgradOptions
+from ..tp.plan import TPPlanner, tokens_per_row
+from . import compat
+
+_LINEAR_FN = "linear_with_grad_accumulation_and_async_allreduce"
+
+
+def resolve_auto(tp, args, notice):
+    """``--overlap-tp auto``, resolved once into a concrete TP section: with Megatron's full
+    ``args`` on a GPU the cost model knows, the strategy it predicts fastest (stock included);
+    else ``symm-mem`` where it runs, else ``p2p``."""
+    import torch
+
+    from ..tp.backends import symm_mem
+    from ..tp.plan import resolve_backend
+    from ..tune.auto import predicted_choice
+
+    if tp.mode != "auto":
+        return tp
+    from ..tp.plan import EXPLICIT_SHAPE
+
+    if args is not None and not (tp.autotune or tp.plan_file or tp.given(*EXPLICIT_SHAPE)):
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        picked = predicted_choice(args, device, symm_mem.availability()[0])
+        if picked is not None:
+            best, stock = picked
+            if best.strategy.name == "megatron":
+                notice("`tp.mode` auto: the cost model predicts stock Megatron fastest here; running stock")
+                return tp.replace(mode="off", explicit=frozenset())
+            notice(f"`tp.mode` auto: the cost model picks {best.name} ({best.flags}; predicted "
+                   f"{stock.step_ms / best.step_ms:.2f}x over stock)")
+            if best.strategy.name == "symm-mem":
+                return tp.replace(mode="symm-mem", explicit=frozenset())
+            return tp.replace(mode="p2p", chunks=best.strategy.chunks * args.tensor_model_parallel_size,
+                              rs=best.strategy.rs)
+    return tp.replace(mode=resolve_backend(tp))
+
+
+def patch(inst) -> None:
+    """Patch both linears for ``inst`` (its config's TP section is concrete)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import layers
+
+    from ..tp.backends import make_backend
+
+    if compat.transformer_engine_version() is not None:
+        inst.notice_once("te-linears", "Transformer Engine is installed: megatron-overlap patches Megatron's local "
+                         "ColumnParallelLinear/RowParallelLinear only (`megatron.transformer_impl` local); TE's linears are "
+                         "left as they are")
+    tuner = None
+    if inst.config.tp.autotune or inst.config.tp.plan_file:
+        from ..tp.autotune import PlanTuner, load_plan_file
+
+        plans = load_plan_file(inst.config.tp.plan_file) if inst.config.tp.plan_file else None
+        tuner = PlanTuner(inst.config.tp.autotune, plans)
+    inst.tp = TPPlanner(inst.config.tp, make_backend(inst.config.tp.mode), tuner)
+    original = layers.__dict__[_LINEAR_FN]
+    column = _column_linear(inst, original)
+    inst.set_attr(layers, _LINEAR_FN, column)
+    if getattr(tensor_parallel, _LINEAR_FN, None) is original:
+        inst.set_attr(tensor_parallel, _LINEAR_FN, column)
+    inst.set_attr(layers.RowParallelLinear, "forward", _row_forward(inst, layers.RowParallelLinear.__dict__["forward"]))
+    inst.notice_once("tp-on", f"TP overlap on ({inst.tp.backend.name}): {' '.join(inst.config.as_flags())}")
+
+
+def _comm(inst, kind: str, group, x, weight, shard_rows: int) -> TPComm:
+    """The TP plan and backend of one linear; the first time a shape, dtype and device are
+    seen, the model settings and the backend are checked (a programmatic install learns them
+    only now)."""
+    size = group.size()
+    key = (id(group), size, shard_rows, tokens_per_row(x), x.dtype, x.device)
+    if key not in inst.checked:
+        inst.tp.backend.check(x)
+        check_tp_model(inst.config.tp, ModelContext(tp_size=size, sequence_parallel=True, seq_length=shard_rows * size))
+        inst.checked.add(key)
+    return TPComm(group, inst.tp.plan(kind, x, weight, group, shard_rows), inst.tp.backend, inst.prefetch)
+
+
+def _column_linear(inst, original):
+    signature = compat.linear_signature(original)
+
+    @functools.wraps(original)  # also copies the `.warned` attribute Megatron reads back
+    def linear(*args, **kwargs):
+        call = compat.LinearCall(signature, args, kwargs)
+        if call.allreduce_dgrad:
+            # Only a Column layer with TP > 1 and sequence parallelism off asks for this.
+            size = compat.default_tp_group(call.tp_group).size()
+            check_tp_model(inst.config.tp, ModelContext(tp_size=size, sequence_parallel=False))
+        if not call.sequence_parallel:
+            return original(*args, **kwargs)
+        group = compat.default_tp_group(call.tp_group)
+        if group is None or group.size() == 1:
+            inst.notice_once("tp1", "tensor-parallel size 1: nothing to overlap, stock path")
+            return original(*args, **kwargs)
+        if call.gtp_remat_size > 1:
+            inst.notice_once("gtp", "GTP-sharded weights (gtp_remat_size > 1) run Megatron's stock path")
+            return original(*args, **kwargs)
+        x = call.input
+        wgrad = WgradOptions(call.gradient_accumulation_fusion, call.grad_output_buffer, call.wgrad_deferral_limit)
+        return ColumnParallelSP.apply(x, call.weight, call.bias, wgrad, _comm(inst, "column", group, x, call.weight,
+                                                                              x.shape[0]))
+
+    return linear
+
+
+def _row_forward(inst, original):
+    @functools.wraps(original)
+    def forward(self, input_):
+        group = self.tp_group
+        if group is None or group.size() == 1 or self.explicit_expert_comm or not self.weight.requires_grad:
+            return original(self, input_)
+        if not self.sequence_parallel:
+            check_tp_model(inst.config.tp, ModelContext(tp_size=group.size(), sequence_parallel=False))
+        if getattr(self, "gtp_remat_size", 1) > 1:
+            inst.notice_once("gtp", "GTP-sharded weights (gtp_remat_size > 1) run Megatron's stock path")
+            return original(self, input_)
+        _check_cpu_offloading(self, input_)
+        rows = input_.shape[0] // group.size()
+        comm = _comm(inst, "row", group, input_, self.weight, rows)
+        output_ = RowParallelSP.apply(input_, self.weight, WgradOptions(self.gradient_accumulation_fusion), comm)
+        if not self.skip_bias_add:
+            output = (output_ + self.bias) if self.bias is not None else output_
+            return output, None
+        return output_, self.bias
+
+    return forward
+
+
+def _check_cpu_offloading(layer, input_):
+    """Megatron's own check in RowParallelLinear.forward, kept on the patched path."""
+    context = getattr(layer.config, "_cpu_offloading_context", None)
+    if context is None or context.inside_context is not True:
+        return
+    from megatron.core.tensor_parallel import layers
+
+    if not layers.HAVE_TE:
+        assert layer.config.cpu_offloading is False, "CPU Offloading cannot be enabled while TE is not present"
+    else:
+        input_.activation_offloading = layer.config.cpu_offloading_activations

@@ -1,0 +1,85 @@
+"""The emulated link's board of P2P deadlines, shared by the rank processes of one machine."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from collections import defaultdict
+from typing import Optional
+
+
+class DeadlineBoard:
+    """Deadlines of P2P messages in flight, in a shared file mapping (/dev/shm), one hash table
+    per (src, dst).
+
+    The sender posts ``(tag, seq) -> deadline`` before it sends (``seq`` counts its messages to
+    that peer with that tag); the receiver, which counts the same way (gloo matches a peer's
+    messages of one tag in order), takes the entry once the data has arrived, so the entry is
+    always there by then.
+    """
+
+    SLOTS = 8192
+    EMPTY = -1
+
+    def __init__(self, world: int, path: Optional[str] = None):
+        size = world * world * self.SLOTS * 16
+        self.owner = path is None
+        if self.owner:
+            directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            fd, path = tempfile.mkstemp(prefix="megatron_overlap_link_", dir=directory)
+            os.ftruncate(fd, size)
+        else:
+            fd = os.open(path, os.O_RDWR)
+        self.path = path
+        self._mmap = mmap.mmap(fd, size)
+        os.close(fd)
+        self._view = memoryview(self._mmap)
+        self._halves = (self._view[: size // 2], self._view[size // 2 :])
+        self.keys = self._halves[0].cast("q")
+        self.values = self._halves[1].cast("d")
+        self.world = world
+        if self.owner:
+            for i in range(len(self.keys)):
+                self.keys[i] = self.EMPTY
+        self._sent: dict = defaultdict(int)
+        self._received: dict = defaultdict(int)
+
+    def _base(self, src: int, dst: int) -> int:
+        return (src * self.world + dst) * self.SLOTS
+
+    def post(self, src: int, dst: int, tag: int, deadline: float):
+        seq = self._sent[(dst, tag)]
+        self._sent[(dst, tag)] = seq + 1
+        key, base = (tag << 32) | seq, self._base(src, dst)
+        slot = hash(key) % self.SLOTS
+        for _ in range(self.SLOTS):
+            if self.keys[base + slot] == self.EMPTY:
+                self.values[base + slot] = deadline
+                self.keys[base + slot] = key  # written last: the entry is complete once seen
+                return
+            slot = (slot + 1) % self.SLOTS
+        raise RuntimeError("emulated link: more than 8192 messages in flight between two ranks")
+
+    def next_key(self, src: int, dst: int, tag: int) -> tuple:
+        seq = self._received[(src, tag)]
+        self._received[(src, tag)] = seq + 1
+        return (src, dst, tag, seq)
+
+    def take(self, src: int, dst: int, tag: int, seq: int) -> float:
+        key, base = (tag << 32) | seq, self._base(src, dst)
+        slot = hash(key) % self.SLOTS
+        for _ in range(self.SLOTS):
+            if self.keys[base + slot] == key:
+                deadline = self.values[base + slot]
+                self.keys[base + slot] = self.EMPTY
+                return deadline
+            slot = (slot + 1) % self.SLOTS
+        raise RuntimeError(f"emulated link: no deadline posted for message {seq} with tag {tag} from rank {src}")
+
+    def close(self):
+        for view in (self.keys, self.values, *self._halves, self._view):
+            view.release()
+        self._mmap.close()
+        if self.owner:
+            os.unlink(self.path)

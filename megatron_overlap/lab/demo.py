@@ -1,0 +1,257 @@
+"""The rank side of ``megatron-overlap demo`` (the driver is ``cli/demo.py``): per rank, the
+tiny GPT twice (stock and the plugin, identically initialised), the emulated link calibrated to
+the step's GEMMs (or attention blocks under CP), and one training step of each per call."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    world: int = 4
+    tp: int = 2
+    steps: int = 20
+    warmup: int = 2
+    layers: int = 2
+    hidden: int = 512
+    ffn: int = 1408
+    heads: int = 8
+    kv_heads: int = 2
+    seq: int = 1024
+    micro_batch: int = 1
+    vocab: int = 512
+    lr: float = 0.05
+    bandwidth_GBps: float = 0.0  # 0: calibrate (TP transfer time = comm_ratio x GEMM time)
+    comm_ratio: float = 1.0
+    latency_us: float = 20.0
+    chunks: int = 0
+    rs: str = "ring"
+    bidirectional: bool = False
+    seed: int = 1234
+    trace_dir: str = ""  # --trace: Chrome traces of the last step (both modes), per rank
+    cp: int = 1
+    overlap_cp: str = "ring"
+    cp_a2a_size: int = 0
+
+    def model(self):
+        from .tiny_gpt import TinyGPT
+
+        return TinyGPT(num_layers=self.layers, hidden=self.hidden, ffn=self.ffn, heads=self.heads,
+                       kv_heads=self.kv_heads, vocab=self.vocab, seq=self.seq, micro_batch=self.micro_batch)
+
+    def overlap_flags(self) -> list[str]:
+        if self.cp > 1 and self.tp == 1:
+            flags = []
+        else:
+            flags = ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(self.chunks), "--overlap-tp-rs", self.rs]
+            flags += ["--overlap-tp-bidirectional"] if self.bidirectional else []
+        return flags + self.cp_flags(self.overlap_cp)
+
+    def cp_flags(self, mode: str) -> list[str]:
+        if self.cp <= 1:
+            return []
+        flags = ["--overlap-cp", mode]
+        return flags + (["--overlap-cp-a2a-size", str(self.cp_a2a_size)] if mode == "hybrid" else [])
+
+    def baseline_flags(self) -> list[str]:
+        """Stock Megatron; under CP the ring with its transfers waited (stock has no CP here)."""
+        return self.cp_flags("ring")
+
+
+class DemoRanks:
+    """Per-rank state of one demo run: two identically initialised models and the link
+    (run through ``lab.session``)."""
+
+    def __init__(self, cfg: DemoConfig):
+        import megatron_overlap
+        from megatron.core import parallel_state
+
+        from .emulated_link import EmulatedLink, LinkSpec
+        from . import tiny_gpt
+
+        logging.getLogger("megatron_overlap").setLevel(logging.ERROR)
+        self.cfg = cfg
+        self.spec = cfg.model()
+        self.overlap_args = megatron_overlap.overlap_parser().parse_args(cfg.overlap_flags())
+        self.baseline_args = megatron_overlap.overlap_parser().parse_args(cfg.baseline_flags())
+        tiny_gpt.init_parallel(cfg.tp, seed=cfg.seed, cp=cfg.cp)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.models = {mode: self._build(mode) for mode in ("calibration", "baseline", "overlap")}
+        megatron_overlap.uninstall()
+        self.windows = {}
+        self._hook_layer(self.models["baseline"], "baseline")
+        self._hook_layer(self.models["overlap"], "overlap")
+
+        spec = LinkSpec(bandwidth_GBps=cfg.bandwidth_GBps or 1e6, latency_us=cfg.latency_us)
+        if not cfg.bandwidth_GBps:
+            spec = self._calibrate(spec)
+        del self.models["calibration"]
+        self.link = EmulatedLink(spec).install()
+
+    def _build(self, mode):
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        from . import tiny_gpt
+
+        torch.manual_seed(self.cfg.seed)
+        model_parallel_cuda_manual_seed(self.cfg.seed)
+        if self.cfg.cp == 1:
+            return tiny_gpt.wrap_ddp(tiny_gpt.build(self.spec, self.cfg.tp), overlap_grad_reduce=True)
+        # CP attention is set up when the layer is built: under the flags the model will run with
+        self._install("overlap" if mode == "overlap" else "baseline")
+        model = tiny_gpt.build(self.spec, self.cfg.tp, context_parallel_size=self.cfg.cp)
+        return tiny_gpt.wrap_ddp(model, overlap_grad_reduce=True)
+
+    def _install(self, mode: str) -> None:
+        """The plugin as ``mode`` runs: ``overlap`` its flags; ``baseline`` stock Megatron, or under
+        CP (which stock lacks on the local path) the ring with every transfer waited for."""
+        import megatron_overlap
+
+        from ..cp.ring import RingOptions
+
+        if mode == "overlap":
+            megatron_overlap.install(self.overlap_args)
+        elif self.cfg.cp > 1:
+            megatron_overlap.install(self.baseline_args, ring_options=RingOptions(overlap=False))
+        else:
+            megatron_overlap.uninstall()
+
+    def _hook_layer(self, ddp_model, mode):
+        """Record when layer 0's forward and backward start and end (the timeline's window).
+        Backward is bracketed by tensor hooks: the grad of the layer's output arrives (start),
+        the grad of its input is complete (end)."""
+        layer = ddp_model.module.decoder.layers[0]
+        window = self.windows.setdefault(mode, {})
+        now = time.perf_counter
+
+        def mark(key):
+            def hook(*_):
+                window[key] = now()
+
+            return hook
+
+        def pre(module, args, kwargs):
+            mark("fwd_start")()
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if hidden is not None and hidden.requires_grad:
+                hidden.register_hook(mark("bwd_end"))
+
+        def post(module, args, output):
+            mark("fwd_end")()
+            out = output[0] if isinstance(output, tuple) else output
+            if out.requires_grad:
+                out.register_hook(mark("bwd_start"))
+
+        layer.register_forward_pre_hook(pre, with_kwargs=True)
+        layer.register_forward_hook(post)
+
+    def _calibrate(self, free_spec):
+        """Count the bytes of one step on a free link and time its GEMMs (the linears, around
+        which the TP communication sits); the link is set so those bytes take ``comm_ratio`` x
+        that GEMM time. Every rank gets the same link."""
+        from .emulated_link import EmulatedLink, LinkSpec
+        from . import tiny_gpt
+
+        import megatron_overlap
+
+        self._install("baseline")
+        with EmulatedLink(free_spec) as probe:
+            tiny_gpt.train_step(self.models["calibration"], self.spec, 0, lr=self.cfg.lr)  # warm
+            probe.reset()
+            dist.barrier()
+            with _timed_matmuls() as gemm, _timed_attention_blocks() as attention:
+                tiny_gpt.train_step(self.models["calibration"], self.spec, 1, lr=self.cfg.lr)
+            nbytes = probe.reset().total_bytes
+        megatron_overlap.uninstall()
+        # TP transfers hide behind the GEMMs, ring transfers behind the attention blocks
+        seconds = (gemm.seconds if self.cfg.tp > 1 else 0.0) + (attention.seconds if self.cfg.cp > 1 else 0.0)
+        volume = torch.tensor([float(nbytes), seconds])
+        dist.all_reduce(volume, op=dist.ReduceOp.MAX)
+        bandwidth = volume[0].item() / (volume[1].item() * self.cfg.comm_ratio) / 1e9
+        return LinkSpec(bandwidth_GBps=bandwidth, latency_us=self.cfg.latency_us)
+
+    def step(self, index: int, record: bool) -> dict:
+        import megatron_overlap
+
+        from . import tiny_gpt
+
+        from ..trace.tracer import StepTracer
+
+        out = {}
+        for mode in ("baseline", "overlap"):
+            self._install(mode)
+            tracer = StepTracer(self.cfg.trace_dir, {index} if record and self.cfg.trace_dir else (),
+                                rank=dist.get_rank(), label=mode, link=self.link)
+            self.link.record_spans = record
+            dist.barrier()
+            self.link.reset()
+            t0 = time.perf_counter()
+            with tracer.step(index):
+                loss = tiny_gpt.train_step(self.models[mode], self.spec, index, lr=self.cfg.lr)
+            t1 = time.perf_counter()
+            stats = self.link.reset()
+            megatron_overlap.uninstall()
+            out[mode] = {"loss": loss, "wall_s": t1 - t0, "blocked_s": stats.blocked_s,
+                         "busy_s": stats.busy_s, "bytes": stats.total_bytes}
+            if record:
+                out[mode]["trace"] = {
+                    "step": (t0, t1),
+                    "layer": dict(self.windows[mode]),
+                    "link": [(s.start, s.done) for s in stats.spans],
+                    "blocked": list(stats.waits),
+                }
+        return out
+
+    def describe(self) -> dict:
+        return self.link.spec.as_dict()
+
+    def close(self):
+        self.link.uninstall()
+
+
+class _timed:
+    """Sum the time spent in the named functions while the block runs: ``(owner, name)`` pairs,
+    replaced by timing wrappers and restored on exit."""
+
+    def __init__(self, *targets):
+        self._targets = targets
+
+    def __enter__(self):
+        self.seconds = 0.0
+        self._saved = [getattr(owner, name) for owner, name in self._targets]
+
+        def timed(fn):
+            def wrapper(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - t0
+
+            return wrapper
+
+        for (owner, name), fn in zip(self._targets, self._saved):
+            setattr(owner, name, timed(fn))
+        return self
+
+    def __exit__(self, *exc):
+        for (owner, name), fn in zip(self._targets, self._saved):
+            setattr(owner, name, fn)
+
+
+def _timed_matmuls() -> _timed:
+    """Every GEMM of Megatron's linears, forward and backward, and of ours."""
+    return _timed((torch, "matmul"), (torch.Tensor, "matmul"))
+
+
+def _timed_attention_blocks() -> _timed:
+    """The ring's block attention, forward and backward (what a ring transfer hides behind)."""
+    from ..cp import ring
+
+    return _timed((ring, "block_attention"), (ring, "block_backward"))

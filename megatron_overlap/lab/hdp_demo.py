@@ -1,0 +1,88 @@
+"""The rank side of ``megatron-overlap demo --hdp`` (driver: ``cli/demo_hdp.py``): per rank, one
+tiny GPT with ``--hdp`` installed, its share of a mixed-length batch, and the static and HDP
+layouts of the same batch run through the HDP runtime."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class HdpDemoRanks:
+    """Per-rank state (through ``lab.session``): the model, this rank's samples, the gradients of
+    each layout."""
+
+    def __init__(self, lengths: Sequence[int], capacity: int, seed: int, hidden: int, ffn: int, layers: int):
+        import megatron_overlap
+
+        from ..hdp.samples import Sample
+        from .tiny_gpt import TinyGPT, build, init_parallel
+
+        init_parallel(1, seed=seed)
+        megatron_overlap.uninstall()
+        self.installation = megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(
+            ["--hdp", "--hdp-max-tokens-per-rank", str(capacity)]))
+        spec = TinyGPT(num_layers=layers, hidden=hidden, ffn=ffn, heads=8, kv_heads=2, vocab=512, seq=max(lengths))
+        self.model = build(spec, tp=1, sequence_parallel=False)
+        gen = torch.Generator().manual_seed(seed)
+        me, world = dist.get_rank(), dist.get_world_size()
+        self.samples = []
+        for i, L in enumerate(lengths):
+            tokens = torch.randint(0, spec.vocab, (L + 1,), generator=gen)
+            if i % world == me:  # dealt round-robin: this rank's data iterator loaded it
+                self.samples.append(Sample(tokens[:-1], tokens[1:], torch.ones(L)))
+        self.grads = {}
+
+    def describe(self) -> dict:
+        return {"samples": len(self.samples), "tokens": sum(len(s) for s in self.samples)}
+
+    def measure(self, layout: str, repeats: int) -> dict:
+        from ..hdp.runtime import forward_backward, reduce_gradients, reduce_loss
+        from ..integration.hdp import make_runtime
+
+        model, group = self.model, dist.group.WORLD
+        runtime = make_runtime(self.installation.config.hdp, group=group, scheduler=layout)
+        runtime.step(self.samples)  # the first call of a process pays one-time costs (imports)
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        step = runtime.step(self.samples)
+        load_ms = 1e3 * (time.perf_counter() - t0)
+        forward_backward(model, step)  # warm-up
+        busy, wall, steps = [], [], []
+        for _ in range(repeats):
+            model.zero_grad(set_to_none=True)
+            dist.barrier(group)
+            start = time.perf_counter()
+            result = forward_backward(model, step)
+            end = time.perf_counter()
+            span = torch.tensor([-start, end], dtype=torch.float64)
+            dist.all_reduce(span, op=dist.ReduceOp.MAX, group=group)  # earliest start, latest end
+            steps.append(1e3 * float(span.sum()))
+            busy.append(1e3 * sum(result.cpu_s))
+            wall.append(1e3 * sum(result.wall_s))
+        loss = reduce_loss(result.loss, group)
+        reduce_gradients(model, group)
+        self.grads[layout] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+        return {
+            "busy_ms": statistics.median(busy),
+            "wall_ms": statistics.median(wall),
+            "step_ms": statistics.median(steps),
+            "load_ms": load_ms,
+            "microbatches": step.num_microbatches,
+            "rows": sum(mb.layout.rows for mb in step.microbatches),
+            "tokens": sum(int(mb.layout.valid.sum()) for mb in step.microbatches),
+            "ring_sizes": sorted(step.plan.ring_sizes().values(), reverse=True),
+            "moved_tokens": step.moved_tokens,
+            "loss": loss,
+        }
+
+    def compare_grads(self) -> float:
+        a, b = self.grads["static"], self.grads["hdp"]
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    def close(self) -> None:
+        self.installation.uninstall()

@@ -1,0 +1,168 @@
+"""The rank side of ``megatron-overlap bench mlp`` (driver: ``cli/bench_mlp.py``): Megatron's MLP
+block (Column fc1 -> GeLU -> Row fc2, SP), the compute replay that is the limit's compute, and
+one round (replay, stock and plugin on a free link, both on the emulated link) per call."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class MLPBench:
+    hidden: int = 1024
+    ffn: int = 4096
+    seq: int = 2048
+    micro_batch: int = 1
+    tp: int = 2
+    steps: int = 12
+    warmup: int = 3
+    comm_ratio: float = 1.0
+    latency_us: float = 20.0
+    chunks: int = 0
+    rs: str = "ring"
+    bidirectional: bool = False
+    seed: int = 0
+
+
+def _build(cfg: MLPBench):
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from . import tiny_gpt
+
+    tiny_gpt.init_parallel(cfg.tp, seed=cfg.seed + 1)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=cfg.hidden,
+        ffn_hidden_size=cfg.ffn,
+        num_attention_heads=8,
+        tensor_model_parallel_size=cfg.tp,
+        sequence_parallel=True,
+        use_cpu_initialization=True,
+        add_bias_linear=True,
+        gated_linear_unit=False,
+        activation_func=F.gelu,
+        bias_activation_fusion=False,
+    )
+    return MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+
+
+class _ComputeReplay:
+    """This rank's compute of one fwd+bwd step with no communication at all: the same GEMM
+    shapes and activation on local tensors (the full sequence, this rank's weight shards)."""
+
+    def __init__(self, mlp, cfg: MLPBench):
+        fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+        self.x = torch.randn(cfg.seq, cfg.micro_batch, cfg.hidden, requires_grad=True)
+        self.dy = torch.randn(cfg.seq, cfg.micro_batch, cfg.hidden)
+        self.w1 = fc1.weight.detach().clone().requires_grad_()
+        self.b1 = fc1.bias.detach().clone().requires_grad_()
+        self.w2 = fc2.weight.detach().clone().requires_grad_()
+
+    def __call__(self) -> float:
+        import torch.nn.functional as F
+
+        t0 = time.perf_counter()
+        h = F.gelu(torch.matmul(self.x, self.w1.t()) + self.b1)
+        torch.matmul(h, self.w2.t()).backward(self.dy)
+        elapsed = time.perf_counter() - t0
+        self.x.grad = self.w1.grad = self.b1.grad = self.w2.grad = None
+        return elapsed
+
+
+class MLPBenchRanks:
+    """Per-rank state of one benchmark run (through ``lab.session``)."""
+
+    def __init__(self, cfg):
+        cfg = MLPBench(**cfg) if isinstance(cfg, dict) else cfg
+        import megatron_overlap
+        from .emulated_link import EmulatedLink, LinkSpec
+
+        torch.set_num_threads(1)
+        logging.getLogger("megatron_overlap").setLevel(logging.ERROR)  # installs once per step
+        megatron_overlap.uninstall()
+        self.cfg = cfg
+        self.mlp = _build(cfg)
+        torch.manual_seed(cfg.seed + 10 + dist.get_rank())
+        self.x = torch.randn(cfg.seq // cfg.tp, cfg.micro_batch, cfg.hidden, requires_grad=True)
+        self.dy = torch.randn(cfg.seq // cfg.tp, cfg.micro_batch, cfg.hidden)
+        self.replay = _ComputeReplay(self.mlp, cfg)
+        flags = ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(cfg.chunks), "--overlap-tp-rs", cfg.rs]
+        if cfg.bidirectional:
+            flags.append("--overlap-tp-bidirectional")
+        self.overlap_args = megatron_overlap.overlap_parser().parse_args(flags)
+
+        # Bytes per step, counted on a free link; compute from a few replays. Same link for all.
+        with EmulatedLink(LinkSpec(bandwidth_GBps=1e6, latency_us=0.0)) as probe:
+            self._step()
+            nbytes = probe.reset().total_bytes
+        self.nbytes = nbytes
+        self.spec = self._spec([self.replay() for _ in range(3)])
+        self.link = EmulatedLink(self.spec).install()
+        self.grads = {}
+        self.warm_compute: list = []
+
+    def _spec(self, compute_samples):
+        """The link on which this step's bytes take ``comm_ratio`` x its compute time (the
+        largest over ranks, so every rank gets the same link)."""
+        from .emulated_link import LinkSpec
+
+        volume = torch.tensor([float(self.nbytes), statistics.median(compute_samples)])
+        dist.all_reduce(volume, op=dist.ReduceOp.MAX)
+        bandwidth = volume[0].item() / (volume[1].item() * self.cfg.comm_ratio) / 1e9
+        return LinkSpec(bandwidth_GBps=bandwidth, latency_us=self.cfg.latency_us)
+
+    def _step(self):
+        self.mlp.zero_grad(set_to_none=True)
+        self.x.grad = None
+        out, bias = self.mlp(self.x)
+        (out + bias).backward(self.dy)
+
+    def round(self, index: int, record_spans: bool = False) -> dict:
+        """Back to back: the compute-only replay, then stock and overlapped steps on a free link
+        (what each costs when communication costs nothing), then both on the emulated link."""
+        import megatron_overlap
+        from .emulated_link import LinkSpec
+
+        if index == self.cfg.warmup and self.warm_compute:
+            # recalibrate on the warm-up rounds' compute: the first replays run on a colder machine
+            self.spec = self.link.spec = self._spec(self.warm_compute)
+        record = {"compute_s": self.replay()}
+        if index < self.cfg.warmup:
+            self.warm_compute.append(record["compute_s"])
+        free = LinkSpec(bandwidth_GBps=1e6, latency_us=0.0)
+        for mode, spec in (("stock_free", free), ("overlap_free", free), ("stock", self.spec), ("overlap", self.spec)):
+            if mode.startswith("overlap"):
+                megatron_overlap.install(self.overlap_args)
+            self.link.spec = spec
+            self.link.record_spans = record_spans and spec is self.spec
+            dist.barrier()
+            self.link.reset()
+            t0 = time.perf_counter()
+            self._step()
+            t1 = time.perf_counter()
+            stats = self.link.reset()
+            megatron_overlap.uninstall()
+            if index == 0 and mode in ("stock", "overlap"):
+                self.grads[mode] = (self.x.grad.clone(), self.mlp.linear_fc1.weight.grad.clone(),
+                                    self.mlp.linear_fc2.weight.grad.clone())
+            record[mode] = {"wall_s": t1 - t0, "blocked_s": stats.blocked_s, "busy_s": stats.busy_s,
+                            "bytes": stats.total_bytes}
+            if self.link.record_spans:
+                record[mode]["trace"] = {"step": (t0, t1), "link": [(x.start, x.done) for x in stats.spans],
+                                         "blocked": list(stats.waits)}
+        return record
+
+    def close(self) -> dict:
+        self.link.uninstall()
+        parity = max(((a - b).norm() / b.norm()).item()
+                     for a, b in zip(self.grads["overlap"], self.grads["stock"]))
+        return {"link": self.spec.as_dict(), "parity": parity}

@@ -1,0 +1,32 @@
+"""Tensor + sequence parallel overlap. No Megatron imports; process groups passed explicitly.
+
+    linear.py        Column/Row autograd functions (forward, dgrad, wgrad as formulas)
+    ag_gemm.py       all-gather -> GEMM as a chunked ring, beside its plain-PyTorch reference
+    gemm_rs.py       GEMM -> reduce-scatter (ring or all-to-all), beside its reference
+    wgrad.py         weight gradients with Megatron's ``main_grad`` semantics
+    plan.py          ``TPPlan`` (plain data) and ``TPPlanner`` (chunk rule, ``auto``, autotune, plan files)
+    autotune.py      measured decompositions, plan files
+    checks.py        model settings the overlapped linears cannot honour
+    backends/        the two primitives per backend: p2p, symm-mem, fused
+
+The modes below are the values of ``OverlapConfig.tp`` (``--overlap-tp``); config imports them.
+"""
+
+from __future__ import annotations
+
+from ..errors import OverlapConfigError
+
+TP_MODES = ("off", "p2p", "symm-mem", "fused", "auto")
+BACKENDS = ("p2p", "symm-mem", "fused")  # what "auto" resolves to, once, at install
+RS_ALGOS = ("ring", "a2a")
+
+
+def check_chunks(value) -> int:
+    """The rule for ``tp.chunks``: 0 (the plugin chooses) or a positive count; multiples of the
+    TP size are checked once the TP size is known (``checks.check_tp_model``)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OverlapConfigError("tp.chunks", f"expected a whole number, got {value!r}")
+    if value < 0:
+        raise OverlapConfigError(
+            "tp.chunks", f"must be 0 (choose automatically) or a positive multiple of the TP size, got {value}")
+    return value

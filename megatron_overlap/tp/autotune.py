@@ -1,0 +1,147 @@
+"""Measured (``--overlap-autotune``) and loaded (``--overlap-plan FILE``) decompositions of the
+overlapped linears; ``plan.TPPlanner`` asks here before it falls back to the built-in rule.
+
+A choice is (chunks per rank, tapered or uniform, reduce-scatter algorithm). The autotuner
+measures every candidate on the real TP group the first time a linear shape is seen (forward
+and backward primitives on random data of that shape, a few iterations each), all ranks of the
+group agree (the candidate whose slowest rank is fastest), and the pick is cached on disk keyed
+by shape, dtype, world size, device name and versions — the next start reuses it. A plan file
+has the cache's format, so ``cp ~/.cache/megatron_overlap/tp_plans.json plan.json`` makes one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..comm.agree import GroupAgreement
+from ..errors import OverlapConfigError
+from ..tune.cache import DiskCache, choose, device_name, private_rng, time_call
+
+logger = logging.getLogger("megatron_overlap")
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """``chunks`` per rank (0: the built-in rule), ``taper`` (short first/last chunk), ``rs``."""
+
+    chunks: int
+    taper: bool
+    rs: str
+
+    def key(self) -> str:
+        return f"c{self.chunks}{'t' if self.taper else ''}-{self.rs}"
+
+    @classmethod
+    def parse(cls, text: str) -> "PlanChoice":
+        try:
+            head, rs = text.split("-", 1)
+            taper = head.endswith("t")
+            chunks = int(head[1:-1] if taper else head[1:])
+        except ValueError:
+            raise ValueError(f"not a plan choice: {text!r} (expected e.g. 'c4t-ring' or 'c2-a2a')") from None
+        if rs not in ("ring", "a2a") or chunks < 0 or not head.startswith("c"):
+            raise ValueError(f"not a plan choice: {text!r} (expected e.g. 'c4t-ring' or 'c2-a2a')")
+        return cls(chunks, taper, rs)
+
+
+def shape_key(kind: str, rows: int, batch: int, k: int, n: int, dtype: torch.dtype, world: int,
+              device: torch.device, backend: str) -> str:
+    import megatron_overlap
+
+    return "|".join([kind, f"rows{rows}xb{batch}", f"k{k}n{n}", str(dtype).replace("torch.", ""),
+                     f"tp{world}", device_name(device), backend,
+                     f"torch{torch.__version__}", f"mo{megatron_overlap.__version__}"])
+
+
+def candidates(world: int, rows: int, batch: int) -> list:
+    """The built-in rule (tapered), then 1, 2 and 4 uniform chunks per rank (where the shard has
+    the rows), each with the ring and, where it differs (TP > 2), the all-to-all reduce-scatter."""
+    out = []
+    for chunks, taper in ((0, True), (1, False), (2, False), (4, False)):
+        if chunks > rows:
+            continue
+        for rs in ("ring", "a2a") if world > 2 else ("ring",):
+            out.append(PlanChoice(chunks, taper, rs))
+    return out
+
+
+def load_plan_file(path: str) -> dict:
+    """``{shape key: PlanChoice}`` from a plan file (the autotuner's cache format, or
+    ``{key: "c2-ring"}``); a ``"default"`` key applies to every shape not listed."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise OverlapConfigError("tp.plan_file", f"cannot read {path}: {exc}") from None
+    plans = {}
+    for key, value in data.items():
+        text = value.get("choice") if isinstance(value, dict) else value
+        try:
+            plans[key] = PlanChoice.parse(text)
+        except (ValueError, AttributeError, TypeError):
+            raise OverlapConfigError("tp.plan_file", f"{path}: entry {key!r} is not a plan choice ({value!r})") from None
+    return plans
+
+
+class PlanTuner:
+    """One per installation; see the module docstring. ``measure(choice, ...) -> seconds`` can be
+    injected (tests); by default the backend's primitives are timed."""
+
+    def __init__(self, autotune: bool, plans: Optional[dict] = None, cache: Optional[DiskCache] = None,
+                 measure: Optional[Callable] = None, iterations: int = 3):
+        self.autotune = autotune
+        self.plans = plans or {}
+        self.cache = cache or DiskCache("tp_plans")
+        self.measure = measure
+        self.iterations = iterations
+
+    def choose(self, kind: str, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, rows: int,
+               backend, make_plan: Callable[[PlanChoice], object]) -> Optional[PlanChoice]:
+        """The choice for this linear shape, or None (use the built-in rule)."""
+        batch = x[0].numel() // x.shape[-1] if x.shape[0] else 1
+        world = group.size()
+        key = shape_key(kind, rows, batch, weight.shape[1], weight.shape[0], x.dtype, world, x.device, backend.name)
+        if key in self.plans:
+            return self.plans[key]
+        if "default" in self.plans:
+            return self.plans["default"]
+        if not self.autotune:
+            return None
+
+        def measure(choice: PlanChoice) -> float:
+            if self.measure is not None:
+                return self.measure(choice, kind, x, weight, group)
+            return _time_primitives(kind, x, weight, group, backend, make_plan(choice), self.iterations)
+
+        agree = GroupAgreement(group) if world > 1 else None
+        choice, hit = choose(self.cache, key, candidates(world, rows, batch), measure, agree, encode=PlanChoice.key)
+        if dist.get_rank() == 0:
+            logger.warning("megatron-overlap: autotune %s: %s (%s)", key.split("|", 3)[:3], choice.key(),
+                           "cached" if hit else "measured")
+        return choice
+
+
+def _time_primitives(kind, x, weight, group, backend, plan, iterations) -> float:
+    """Forward and backward communication primitives of one linear with random data (from a
+    private generator: the default one belongs to the model's dropout)."""
+    size = group.size()
+    gen = private_rng(x.device)
+    rand = lambda *shape: torch.randn(shape, dtype=x.dtype, device=x.device, generator=gen)  # noqa: E731
+    with torch.no_grad():
+        if kind == "column":  # fwd AG(x) @ w^T; bwd RS(dy @ w)
+            xs = rand(*x.shape)
+            dy = rand(x.shape[0] * size, *x.shape[1:-1], weight.shape[0])
+            run = lambda: (backend.gather_matmul(xs, weight.t(), group, plan),  # noqa: E731
+                           backend.matmul_reduce_scatter(dy, weight, group, plan).finish())
+        else:  # row: fwd RS(x @ w^T); bwd AG(dy) @ w
+            xf = rand(*x.shape)
+            dy = rand(x.shape[0] // size, *x.shape[1:-1], weight.shape[0])
+            run = lambda: (backend.matmul_reduce_scatter(xf, weight.t(), group, plan).finish(),  # noqa: E731
+                           backend.gather_matmul(dy, weight, group, plan, keep_gathered=True))
+        return time_call(run, x.device, repeats=iterations)

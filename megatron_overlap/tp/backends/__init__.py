@@ -1,0 +1,40 @@
+"""TP-overlap backends: the two primitives (gather-matmul, matmul-reduce-scatter) each provides.
+
+    base.py       the interface, and what every backend shares
+    p2p.py        chunked P2P rings and ``torch.matmul`` per chunk (any device, any backend)
+    symm_mem.py   PyTorch's symmetric-memory fused ops (CUDA)
+    fused.py      our Triton kernels fed by a P2P transport (``megatron_overlap.kernels``)
+"""
+
+from __future__ import annotations
+
+from .base import TPBackend, refuse
+from .p2p import P2PBackend
+
+
+def make_backend(name: str) -> TPBackend:
+    """The backend object; refuses (on ``tp.mode``) one that cannot run on this machine."""
+    if name == "p2p":
+        return P2PBackend()
+    if name == "symm-mem":
+        from . import symm_mem
+
+        ok, why = symm_mem.availability()
+        if not ok:
+            refuse("symm-mem", why)
+        return symm_mem.SymmMemBackend()
+    if name == "fused":
+        from . import fused
+
+        ok, why = fused.availability()
+        if not ok:
+            refuse("fused", why)
+        if fused.interpreting():
+            return fused.FusedBackend()  # fixed tile config: interpreter timings mean nothing
+        from ...kernels.tuning import ConfigChooser
+
+        return fused.FusedBackend(configs=ConfigChooser())
+    raise ValueError(f"unknown TP-overlap backend {name!r}")
+
+
+__all__ = ["P2PBackend", "TPBackend", "make_backend", "refuse"]

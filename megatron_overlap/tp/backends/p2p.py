@@ -1,0 +1,20 @@
+"""The ``p2p`` backend: chunked P2P rings over ``torch.distributed`` (any device, any backend)."""
+
+from __future__ import annotations
+
+from ..ag_gemm import gather_matmul
+from ..gemm_rs import start_matmul_reduce_scatter
+from .base import TPBackend, gathered_buffer
+
+
+class P2PBackend(TPBackend):
+    """Chunked P2P rings over ``torch.distributed`` with ``torch.matmul`` on each chunk."""
+
+    name = "p2p"
+
+    def gather_matmul(self, x_shard, weight_t, group, plan, keep_gathered=False):
+        gathered = gathered_buffer(x_shard, group) if keep_gathered else None
+        return gather_matmul(x_shard, weight_t, group, plan.pieces, gathered), gathered
+
+    def matmul_reduce_scatter(self, x, weight_t, group, plan):
+        return start_matmul_reduce_scatter(x, weight_t, group, plan.pieces, plan.rs_algo)

@@ -1,0 +1,103 @@
+"""``--overlap-tp symm-mem``: PyTorch's symmetric-memory fused ops (Async TP).
+
+    gather_matmul          torch.ops.symm_mem.fused_all_gather_matmul(x, [w_t], gather_dim=0, ...)
+                           (copy-engine pulls, one chunk per rank, alternating streams)
+    matmul_reduce_scatter  torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w_t, "sum", 0, ...)
+
+Backward composes them like the other backends: the Column dgrad is a matmul-reduce-scatter,
+the Row dgrad an all-gather-matmul that also returns the gathered grad-output for the wgrad
+(``return_A``). The Column wgrad input is **re-gathered** (half of it prefetched by the Row
+backward, as for ``p2p``), not kept from the forward: keeping it would hold one gathered
+activation ``[S, b, h]`` per Column linear per micro-batch until its backward; re-gathering
+costs one all-gather of the input per Column linear, as stock Megatron does.
+
+CUDA only (NCCL groups, symmetric memory): on anything else the backend refuses at install
+and at the first layer. :class:`ReferenceSymmMemOps` computes the same two ops with stock
+collectives, so the composition above is tested on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from ...comm.collectives import all_gather_into, reduce_scatter_into
+from .base import Done, TPBackend, gathered_buffer, refuse
+
+
+def availability(device_type=None) -> tuple[bool, str]:
+    cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
+    if not cuda:
+        return False, "needs CUDA GPUs with symmetric memory (PyTorch Async TP); there is no CUDA device here"
+    try:
+        importlib.import_module("torch.distributed._symmetric_memory")
+    except ImportError as exc:
+        return False, f"this torch has no symmetric memory ({exc})"
+    if not hasattr(torch.ops.symm_mem, "fused_all_gather_matmul"):
+        return False, "this torch lacks torch.ops.symm_mem.fused_all_gather_matmul"
+    return True, f"torch {torch.__version__} symmetric memory"
+
+
+class TorchSymmMemOps:
+    """The real ops (CUDA)."""
+
+    def __init__(self):
+        self._enabled: set = set()
+
+    def _name(self, group: dist.ProcessGroup) -> str:
+        name = group.group_name
+        if name not in self._enabled:
+            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+            enable_symm_mem_for_group(name)
+            self._enabled.add(name)
+        return name
+
+    def all_gather_matmul(self, x, weight_t, group, return_gathered):
+        gathered, outs = torch.ops.symm_mem.fused_all_gather_matmul(
+            x.contiguous(), [weight_t], 0, self._name(group), return_A=return_gathered
+        )
+        return outs[0], gathered
+
+    def matmul_reduce_scatter(self, x, weight_t, group):
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(x.contiguous(), weight_t, "sum", 0, self._name(group))
+
+
+class ReferenceSymmMemOps:
+    """The same two ops with stock collectives, no overlap (any backend, CPU included)."""
+
+    def all_gather_matmul(self, x, weight_t, group, return_gathered):
+        gathered = gathered_buffer(x, group)
+        all_gather_into(gathered, x.contiguous(), group)
+        return torch.matmul(gathered, weight_t), (gathered if return_gathered else None)
+
+    def matmul_reduce_scatter(self, x, weight_t, group):
+        full = torch.matmul(x, weight_t).contiguous()
+        size = dist.get_world_size(group)
+        out = torch.empty((full.shape[0] // size, *full.shape[1:]), dtype=full.dtype, device=full.device)
+        reduce_scatter_into(out, full, group)
+        return out
+
+
+class SymmMemBackend(TPBackend):
+    name = "symm-mem"
+
+    def __init__(self, ops=None):
+        self.ops = ops if ops is not None else TorchSymmMemOps()
+
+    def check(self, x: torch.Tensor) -> None:
+        if isinstance(self.ops, ReferenceSymmMemOps):
+            return
+        ok, why = availability(x.device.type)
+        if not ok:
+            refuse("symm-mem", why)
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            refuse("symm-mem", f"dtype {x.dtype} is not supported (bf16, fp16, fp32)")
+
+    def gather_matmul(self, x_shard, weight_t, group, plan, keep_gathered=False):
+        return self.ops.all_gather_matmul(x_shard, weight_t, group, keep_gathered)
+
+    def matmul_reduce_scatter(self, x, weight_t, group, plan):
+        return Done(self.ops.matmul_reduce_scatter(x, weight_t, group))

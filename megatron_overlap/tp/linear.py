@@ -1,0 +1,216 @@
+"""Autograd functions for ColumnParallelLinear and RowParallelLinear under sequence parallelism,
+with every TP collective overlapped with a GEMM.
+
+R ranks in the TP group, s = S / R rows (sequence positions) per rank, b micro-batch:
+
+Column (weight ``w [n, k]``, this rank's n = N / R output columns)
+    forward   y [S, b, n]  = AG(x [s, b, k]) @ w^T                ring AG -> GEMM per piece
+    dgrad     dx [s, b, k] = RS(dy [S, b, n] @ w)                 GEMM per piece -> ring/a2a RS
+    wgrad     dw [n, k]    = dy^T @ AG(x)                          re-gather overlapped with dgrad;
+                                                                   the RS tail with wgrad
+Row (weight ``w [n, k]``, this rank's k = K / R input rows)
+    forward   y [s, b, n]  = RS(x [S, b, k] @ w^T)                GEMM per piece -> ring/a2a RS
+    dgrad     dx [S, b, k] = AG(dy [s, b, n]) @ w                 ring AG -> GEMM per piece
+    wgrad     dw [n, k]    = AG(dy)^T @ x                          one GEMM after the gather
+
+The wgrad GEMMs stay whole, so they give the same bits as stock Megatron's. A Row linear's
+backward also starts, once its own ring has been issued, the re-gather of the input of the
+Column linear that ran just before it in forward (fc1 before fc2, qkv before proj): half of
+that gather then travels during the Row's wgrad and the ops between the two, the other half
+during the Column's dgrad, so neither backward has more to send than it has to compute.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..comm.collectives import all_gather_into
+from ..trace.tracer import wait
+from .backends.base import TPBackend
+from .plan import TPPlan
+from .wgrad import as_2d, weight_gradient
+
+_custom_fwd = torch.amp.custom_fwd(device_type="cuda")
+_custom_bwd = torch.amp.custom_bwd(device_type="cuda")
+
+
+class GatherSlot:
+    """The all-gather of a Column linear's input shard ``x [s, ...]`` for its wgrad, in up to
+    two async collectives: rows ``[0, s_early)`` of every rank, startable early (by the Row
+    linear whose backward runs just before), and the rest, started by the Column backward.
+
+    Splitting balances the link: the Row backward carries the all-gather of its grad-output
+    and the early part, the Column backward its reduce-scatter and the rest; with the whole
+    gather on either side that side's link time would exceed its compute.
+    """
+
+    def __init__(self, x_shard: torch.Tensor, group: dist.ProcessGroup, early_fraction: float):
+        self._x = x_shard
+        self._group = group
+        self._early_rows = int(round(x_shard.shape[0] * early_fraction))
+        self._parts: list = []  # (first row, rows, buffer [R, rows, ...], work)
+
+    def _gather(self, first: int, rows: int):
+        if rows == 0:
+            return
+        x = self._x[first : first + rows].contiguous()
+        size = dist.get_world_size(self._group)
+        buf = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
+        work = all_gather_into(buf.view(size * rows, *x.shape[1:]), x, self._group, async_op=True)
+        self._parts.append((first, rows, buf, work))
+
+    def start_early(self):
+        if self._x is not None and not self._parts and self._early_rows < self._x.shape[0]:
+            self._gather(0, self._early_rows)
+
+    def start(self):
+        if self._x is None:
+            return
+        done = sum(rows for _, rows, _, _ in self._parts)
+        self._gather(done, self._x.shape[0] - done)
+
+    def take(self) -> torch.Tensor:
+        """The gathered input ``[R*s, ...]`` in rank order, exactly as one all-gather gives it."""
+        self.start()
+        x, parts = self._x, self._parts
+        self._x, self._parts = None, []
+        size = dist.get_world_size(self._group)
+        if len(parts) == 1:
+            _, _, buf, work = parts[0]
+            wait(work)
+            return buf.view(size * x.shape[0], *x.shape[1:])
+        full = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
+        for first, rows, buf, work in parts:
+            wait(work)
+            full[:, first : first + rows].copy_(buf)
+        return full.view(size * x.shape[0], *x.shape[1:])
+
+
+@dataclass
+class PrefetchRegistry:
+    """Links each Row linear to the Column linear that ran just before it on the same group.
+
+    One per installation (no module globals). Holds weak references only: a slot lives as long
+    as the autograd graph that owns it.
+    """
+
+    _latest: dict = field(default_factory=dict)
+
+    def offer(self, group: dist.ProcessGroup, slot: GatherSlot):
+        self._latest[id(group)] = weakref.ref(slot)
+
+    def claim(self, group: dist.ProcessGroup) -> Optional[GatherSlot]:
+        ref = self._latest.pop(id(group), None)
+        return ref() if ref is not None else None
+
+
+@dataclass(frozen=True, eq=False)
+class WgradOptions:
+    """How a linear delivers its weight gradient, as Megatron's layer asks (``wgrad.py``):
+    accumulate into ``weight.main_grad`` (``gradient_accumulation_fusion``), and, for the output
+    layer under ``defer_embedding_wgrad_compute``, the buffer that takes grad-outputs instead of
+    computing the wgrad, up to ``deferral_limit`` of them (0: all)."""
+
+    accumulation_fusion: bool = False
+    grad_output_buffer: Optional[list] = None
+    deferral_limit: Optional[int] = None
+
+
+@dataclass(frozen=True, eq=False)
+class TPComm:
+    """Where and how a linear's collectives run: its TP ``group``, the ``plan`` (plain data), the
+    ``backend`` that moves and multiplies, and the installation's ``prefetch`` registry (None: no
+    wgrad-input prefetch between Row and Column linears)."""
+
+    group: dist.ProcessGroup
+    plan: TPPlan
+    backend: TPBackend
+    prefetch: Optional[PrefetchRegistry] = None
+
+
+class ColumnParallelSP(torch.autograd.Function):
+    """ColumnParallelLinear + sequence parallelism, all communication overlapped."""
+
+    @staticmethod
+    @_custom_fwd
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                wgrad: WgradOptions, comm: TPComm) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        # Not in save_for_backward: one module may run in several places (Megatron's reason).
+        ctx.main_grad = weight.main_grad if wgrad.accumulation_fusion and hasattr(weight, "main_grad") else None
+        ctx.use_bias = bias is not None
+        ctx.wgrad, ctx.comm = wgrad, comm
+        ctx.slot = GatherSlot(input, comm.group, comm.plan.prefetch_fraction if comm.prefetch is not None else 0.0)
+        if comm.prefetch is not None:
+            comm.prefetch.offer(comm.group, ctx.slot)
+        output, _ = comm.backend.gather_matmul(input, weight.t(), comm.group, comm.plan)
+        return output + bias if bias is not None else output
+
+    @staticmethod
+    @_custom_bwd
+    def backward(ctx, grad_output: torch.Tensor):
+        input, weight = ctx.saved_tensors
+        comm, wgrad = ctx.comm, ctx.wgrad
+        if wgrad.accumulation_fusion:
+            weight.main_grad = ctx.main_grad
+
+        wgrad_compute = True
+        buffer = wgrad.grad_output_buffer
+        if buffer is not None:
+            limit = wgrad.deferral_limit
+            if limit == 0 or len(buffer) < limit:
+                buffer.append(grad_output)
+                wgrad_compute = False
+        slot = ctx.slot
+        ctx.slot = None
+        if wgrad_compute:
+            slot.start()  # no-op when the Row linear after us already started it
+
+        # dgrad = RS(dy @ w); its last hop travels while the wgrad GEMM runs
+        pending = comm.backend.matmul_reduce_scatter(grad_output, weight, comm.group, comm.plan)
+
+        if wgrad_compute:
+            grad_output, total_input = as_2d(grad_output, slot.take())
+            grad_weight = weight_gradient(weight, grad_output, total_input, wgrad.accumulation_fusion, input)
+        else:
+            grad_weight = weight_gradient(weight, None, None, wgrad.accumulation_fusion, input)
+        grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
+        return pending.finish(), grad_weight, grad_bias, None, None
+
+
+class RowParallelSP(torch.autograd.Function):
+    """RowParallelLinear + sequence parallelism (GEMM and reduce-scatter fused and overlapped).
+
+    The bias is not part of the op: Megatron adds it after the reduce-scatter.
+    """
+
+    @staticmethod
+    @_custom_fwd
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, wgrad: WgradOptions, comm: TPComm) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        ctx.main_grad = weight.main_grad if wgrad.accumulation_fusion and hasattr(weight, "main_grad") else None
+        ctx.wgrad, ctx.comm = wgrad, comm
+        ctx.prefetch_slot = comm.prefetch.claim(comm.group) if comm.prefetch is not None else None
+        return comm.backend.matmul_reduce_scatter(input, weight.t(), comm.group, comm.plan).finish()
+
+    @staticmethod
+    @_custom_bwd
+    def backward(ctx, grad_output: torch.Tensor):
+        input, weight = ctx.saved_tensors
+        comm, wgrad = ctx.comm, ctx.wgrad
+        if wgrad.accumulation_fusion:
+            weight.main_grad = ctx.main_grad
+        grad_output = grad_output.contiguous()
+        grad_input, gathered = comm.backend.gather_matmul(grad_output, weight, comm.group, comm.plan,
+                                                          keep_gathered=True)
+        slot, ctx.prefetch_slot = ctx.prefetch_slot, None
+        if slot is not None:
+            slot.start_early()
+        grad_2d, input_2d = as_2d(gathered, input)
+        grad_weight = weight_gradient(weight, grad_2d, input_2d, wgrad.accumulation_fusion, input)
+        return grad_input, grad_weight, None, None

@@ -1,0 +1,129 @@
+"""How each overlapped linear runs (``TPPlan``, plain data) and who decides it (``TPPlanner``).
+
+A plan is the decomposition of one linear's collectives: the pieces its shard is cut into, the
+reduce-scatter algorithm, and the fraction of the Column wgrad input the Row backward
+prefetches. It holds no process group and no backend (those travel beside it, ``linear.TPComm``),
+so it can be printed, cached and compared across ranks.
+
+The planner owns every rule that picks one:
+
+- the built-in chunk rule (:func:`chunks_per_rank`), tapered when it chooses, uniform when the
+  user set ``--overlap-tp-chunks``;
+- ``--overlap-autotune`` / ``--overlap-plan`` (:class:`.autotune.PlanTuner`), once per shape;
+- ``--overlap-tp auto``, which is resolved before the planner exists (:func:`resolve_backend`),
+  so the planner only ever sees a concrete backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+
+from ..comm.rings import Piece, split_pieces
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """One linear's decomposition: ``pieces`` of its shard, ``rs_algo`` (``ring`` | ``a2a``), and
+    the fraction of the Column wgrad input's rows gathered during the Row backward."""
+
+    pieces: tuple[Piece, ...]
+    rs_algo: str = "ring"
+    prefetch_fraction: float = 0.5
+
+    def describe(self) -> str:
+        return f"{len(self.pieces)} pieces {[p.rows for p in self.pieces]}, {self.rs_algo}"
+
+
+def chunks_per_rank(tp, tp_size: int, rows_per_rank: int, batch: int = 1) -> int:
+    """Chunks of each rank's shard (before the bidirectional halving); ``tp`` is the config's
+    TP section.
+
+    ``--overlap-tp-chunks N`` gives N / TP uniform chunks. With 0 the plugin picks one chunk per
+    ~256 tokens of the rank's shard (``rows_per_rank * batch``) plus one, between 1 and 5, and
+    tapers them (first and last half-size, see ``split_pieces``): finer chunks shorten the
+    pipeline's fill and drain, coarser ones pay less per message and run larger GEMMs. Chosen
+    on the MLP benchmark (BENCHMARKS.md).
+    """
+    if tp.chunks:
+        return tp.chunks // tp_size
+    tokens = rows_per_rank * batch
+    return max(1, min(5, tokens // 256 + 1))
+
+
+EXPLICIT_SHAPE = ("chunks", "rs", "bidirectional")  # decomposition flags only p2p (and fused, partly) take
+
+
+def resolve_backend(tp) -> str:
+    """``auto`` without a cost-model pick -> ``symm-mem`` where PyTorch's symmetric memory runs,
+    else ``p2p``; any other mode is itself. ``auto`` honours an explicit decomposition
+    (``--overlap-tp-chunks`` / ``-rs`` / ``-bidirectional``): it then only chooses among backends
+    that take it, i.e. ``p2p``. ``fused`` is never picked automatically while the measured
+    figures say it is slower than stock (README)."""
+    if tp.mode != "auto":
+        return tp.mode
+    from .backends import symm_mem
+
+    if tp.given(*EXPLICIT_SHAPE):
+        return "p2p"
+    return "symm-mem" if symm_mem.availability()[0] else "p2p"
+
+
+def tokens_per_row(x: torch.Tensor) -> int:
+    """Tokens per sequence row: the product of the dims between sequence and features."""
+    batch = 1
+    for dim in x.shape[1:-1]:
+        batch *= dim
+    return batch
+
+
+class TPPlanner:
+    """The plans of one installation (module docstring). ``tp``: the config's TP section with a
+    concrete mode; ``backend``: the backend object the plans run on; ``tuner``: a
+    :class:`.autotune.PlanTuner` for ``--overlap-autotune`` / ``--overlap-plan``, or None."""
+
+    def __init__(self, tp, backend, tuner=None):
+        if tp.mode == "auto":
+            raise ValueError("TPPlanner needs a concrete backend: resolve the TP mode 'auto' first")
+        self.tp = tp
+        self.backend = backend
+        self.tuner = tuner
+        self._plans: dict = {}
+
+    def _make(self, chunks: int, taper: bool, rs: str, shard_rows: int) -> TPPlan:
+        return TPPlan(pieces=split_pieces(shard_rows, chunks, self.tp.bidirectional, taper=taper), rs_algo=rs)
+
+    def default_plan(self, tp_size: int, shard_rows: int, batch: int) -> TPPlan:
+        """The built-in rule's plan: chosen chunks tapered (short first/last), set ones uniform."""
+        chunks = chunks_per_rank(self.tp, tp_size, shard_rows, batch)
+        return self._make(chunks, not self.tp.chunks, self.tp.rs_algo, shard_rows)
+
+    def plan(self, kind: str, x: torch.Tensor, weight: torch.Tensor, group, shard_rows: int) -> TPPlan:
+        """The plan of a ``kind`` (``column`` | ``row``) linear with input ``x`` and ``weight`` on
+        TP group ``group`` whose shard has ``shard_rows`` sequence rows; decided once per shape."""
+        size, batch = group.size(), tokens_per_row(x)
+        key = (kind, id(group), size, shard_rows, batch, tuple(weight.shape), x.dtype, x.device)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self.default_plan(size, shard_rows, batch)
+            choice = self._tuned(kind, x, weight, group, shard_rows)
+            if choice is not None:
+                plan = self._from_choice(choice, size, shard_rows, batch)
+            self._plans[key] = plan
+        return plan
+
+    def _tuned(self, kind, x, weight, group, shard_rows):
+        if self.tuner is None or self.backend.name == "symm-mem":  # symm-mem chooses its own chunking
+            return None
+        size, batch = group.size(), tokens_per_row(x)
+        make = lambda c: self._from_choice(c, size, shard_rows, batch)  # noqa: E731
+        return self.tuner.choose(kind, x, weight, group, shard_rows, self.backend, make)
+
+    def _from_choice(self, choice, size: int, shard_rows: int, batch: int) -> TPPlan:
+        chunks = chunks_per_rank(self.tp, size, shard_rows, batch) if choice.chunks == 0 else choice.chunks
+        return self._make(chunks, choice.taper, "a2a" if self.backend.name == "fused" else choice.rs, shard_rows)
+
+    def plans(self) -> dict:
+        """Every plan decided so far, by (kind, group, size, rows, batch, weight shape, dtype, device)."""
+        return dict(self._plans)
+

@@ -1,0 +1,10 @@
+"""What is still exposed: traces and pictures.
+
+    tracer.py     ``--overlap-trace``: torch.profiler around chosen iterations, wait markers
+    report.py     spans, step time and exposed communication per trace; ``megatron-overlap report``
+    timeline.py   the PNG timelines of the demo, the benchmarks, ``plan`` and ``report``
+"""
+
+from .tracer import StepTracer, parse_iterations, wait
+
+__all__ = ["StepTracer", "parse_iterations", "wait"]

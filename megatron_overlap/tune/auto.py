@@ -1,0 +1,49 @@
+"""``--overlap-tp auto`` from the cost model: which strategy the simulator predicts fastest for
+the model in Megatron's arguments on a GPU it knows. Pure Python; the arguments are read by
+name, Megatron is not imported."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def hardware_for_device(name: Optional[str]) -> Optional[str]:
+    """The cost model's HardwareSpec name for a CUDA device name, or None if it has none."""
+    if not name:
+        return None
+    upper = name.upper()
+    for key, spec in (("H200", "h200-sxm"), ("H800", "h800-sxm"), ("H100", "h100-sxm")):
+        if key in upper and "PCIE" not in upper:
+            return spec
+    if "A100" in upper:
+        return "a100-pcie" if "PCIE" in upper else "a100-sxm"
+    return None
+
+
+def predicted_choice(args, device: Optional[str], symm_mem_usable: bool):
+    """What ``--overlap-tp auto`` runs when nothing was measured: the cost model simulates the
+    model in Megatron's ``args`` on this GPU for stock, ``p2p`` (every chunk count and
+    reduce-scatter the planner knows) and, where it runs, ``symm-mem``, and returns the fastest
+    (a ``cost.simulate.StrategyResult`` and the stock one), or None without a known GPU or the
+    model's dimensions. ``fused`` is left out until it has run on GPUs."""
+    spec = hardware_for_device(device)
+    needed = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_layers", "seq_length")
+    if spec is None or any(getattr(args, n, None) is None for n in needed):
+        return None
+    from .hardware import get_hardware
+    from .models import ModelSpec, RunSpec
+    from .planner import candidates as plan_candidates, make_plan
+
+    heads = args.num_attention_heads
+    kv = args.num_query_groups if getattr(args, "group_query_attention", False) and args.num_query_groups else heads
+    model = ModelSpec("megatron-args", hidden=args.hidden_size, ffn=args.ffn_hidden_size, heads=heads, kv_heads=kv,
+                      layers=args.num_layers, vocab=getattr(args, "padded_vocab_size", None) or
+                      getattr(args, "vocab_size", None) or 32000, seq=args.seq_length,
+                      gated=bool(getattr(args, "swiglu", False)))
+    run = RunSpec(tp=args.tensor_model_parallel_size, cp=getattr(args, "context_parallel_size", 1) or 1,
+                  pp=getattr(args, "pipeline_model_parallel_size", 1) or 1, seq=args.seq_length,
+                  micro_batch=getattr(args, "micro_batch_size", 1) or 1)
+    allowed = [s for s in plan_candidates(run) if s.name == "megatron" or s.name == "p2p"
+               or (s.name == "symm-mem" and symm_mem_usable)]
+    plan = make_plan(model, run, get_hardware(spec), allowed)
+    return (plan.best, plan.stock) if plan.ranked else None

@@ -1,0 +1,129 @@
+"""Rank the strategies for one model, layout and machine; say which flags to pass.
+
+Candidates: stock Megatron; ``p2p`` with the plugin's own chunk rule and with 1, 2, 4, 8
+uniform chunks per rank, each with ``ring`` and (for TP > 2, where they differ) ``a2a``
+reduce-scatter; ``symm-mem``; ``fused``. Each is simulated (``simulate.simulate``); those that
+cannot run the configuration are listed with the reason.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+
+from .models import ModelSpec, RunSpec
+from .simulate import StrategyResult, simulate
+from .strategies import Strategy
+
+
+def candidates(run: RunSpec) -> list[Strategy]:
+    out = [Strategy("megatron")]
+    for chunks in (0, 1, 2, 4, 8):
+        for rs in ("ring", "a2a") if run.tp > 2 else ("ring",):
+            out.append(Strategy("p2p", chunks=chunks, rs=rs))
+    out += [Strategy("symm-mem"), Strategy("fused")]
+    return out
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    run: RunSpec
+    hardware: object
+    ranked: list  # applicable StrategyResults, fastest first
+    not_applicable: list  # StrategyResults with .reason
+
+    @property
+    def best(self) -> StrategyResult:
+        return self.ranked[0]
+
+    @property
+    def stock(self) -> StrategyResult:
+        return next(r for r in self.ranked if r.strategy.name == "megatron")
+
+    def speedup(self, result: StrategyResult) -> float:
+        return self.stock.step_ms / result.step_ms
+
+
+def make_plan(model: ModelSpec, run: RunSpec, hw, strategies: list = None) -> Plan:
+    results = [simulate(model, run, hw, s) for s in (strategies or candidates(run))]
+    ranked = sorted((r for r in results if r.applicable), key=lambda r: (r.step_ms, r.strategy.name != "megatron"))
+    return Plan(model, run, hw, ranked, [r for r in results if not r.applicable])
+
+
+def describe_run(run: RunSpec) -> str:
+    what = {"train": "training (fwd + bwd)", "prefill": f"inference prefill ({run.seq} tokens)",
+            "decode": f"inference decode (1 new token per sequence, {run.seq} cached)"}[run.phase]
+    layout = f"TP={run.tp} CP={run.cp} PP={run.pp} DP={run.dp}"
+    batch = f"micro-batch {run.micro_batch}" + (f" x {run.micro_batches}" if run.training else "")
+    return f"{layout}, seq {run.seq}, {batch}, {what}"
+
+
+def format_plan(plan: Plan) -> str:
+    lines = [
+        f"{plan.model.name} on {plan.hardware.name}: {describe_run(plan.run)}",
+        "",
+        f"{'#':>2}  {'strategy':<17}{'step ms':>11}{'vs stock':>9}{'TP comm ms':>12}{'exposed ms':>12}"
+        f"{'TP share':>9}  flags",
+    ]
+    for i, r in enumerate(plan.ranked, 1):
+        lines.append(
+            f"{i:>2}  {r.name:<17}{r.step_ms:>11.2f}{plan.speedup(r):>8.2f}x{r.comm_ms:>12.2f}"
+            f"{r.exposed_comm_ms:>12.2f}{100 * r.comm_fraction:>8.0f}%  {r.flags}"
+        )
+    by_reason: dict = {}
+    for r in plan.not_applicable:  # one line per reason (a 1-token decode rules out every overlap)
+        by_reason.setdefault(r.reason, []).append(r.name)
+    for reason, names in by_reason.items():
+        p2p = [n for n in names if n.startswith("p2p")]
+        if len(p2p) > 1:
+            names = ["p2p (every chunk count and RS)"] + [n for n in names if not n.startswith("p2p")]
+        lines.append(f"{'-':>2}  n/a: {', '.join(names)}: {reason}")
+    other = {k: v for k, v in plan.stock.other_exposed_ms.items() if v > 0}
+    lines += [
+        "",
+        f"best: {plan.best.name} ({plan.speedup(plan.best):.2f}x stock)  ->  {plan.best.flags}",
+        "TP share: exposed TP communication / step time. TP comm ms: the transfers' link time "
+        "(busy + latency, summed; pipelined latencies overlap each other).",
+    ]
+    if other:
+        lines.append("other exposed communication per step (stock): "
+                     + ", ".join(f"{k.upper()} {v:.2f} ms" for k, v in sorted(other.items())))
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> dict:
+    return {
+        "hardware": plan.hardware.name,
+        "model": plan.model.name,
+        "config": {"tp": plan.run.tp, "cp": plan.run.cp, "pp": plan.run.pp, "dp": plan.run.dp, "seq": plan.run.seq,
+                   "micro_batch": plan.run.micro_batch, "micro_batches": plan.run.micro_batches,
+                   "phase": plan.run.phase},
+        "strategies": [r.as_dict() for r in plan.ranked],
+        "not_applicable": [{"name": r.name, "reason": r.reason} for r in plan.not_applicable],
+        "best": plan.best.name,
+    }
+
+
+def draw_plan_timeline(plan: Plan, path: str) -> str:
+    """One layer, forward then backward, of stock and of the best other strategy."""
+    from ..trace import timeline
+
+    shown = [plan.stock]
+    other = next((r for r in plan.ranked if r.strategy.name != "megatron"), None)
+    if other is not None:
+        shown.append(other)
+    width = max(r.layer_fwd_ms + r.layer_bwd_ms for r in shown)
+    panels = []
+    for r in shown:
+        rows = []
+        for stream, kind, label in (("compute", "compute", "compute"), ("blocked", "blocked", "blocked on comm"),
+                                    ("link", "link", "TP link"), ("net", "link", "inter-node link")):
+            spans = [(s["start_ms"], s["end_ms"]) for s in r.layer_spans if s["stream"] == stream]
+            if spans or stream != "net":
+                rows.append((label, kind, spans))
+        phases = f"fwd {r.layer_fwd_ms:.3f} ms" + (f" + bwd {r.layer_bwd_ms:.3f} ms" if r.layer_bwd_ms else "")
+        title = f"{r.name}: one layer, {phases} ({plan.speedup(r):.2f}x stock per step)"
+        panels.append(timeline.Panel(title, width, rows))
+    title = f"{plan.model.name} on {plan.hardware.name} (simulated)\n" + textwrap.fill(describe_run(plan.run), 72)
+    return timeline.draw(panels, path, title=title, columns=1)
