@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 import pytest
 
 from megatron_overlap.tp.autotune import PlanChoice, candidates, load_plan_file
@@ -67,3 +69,29 @@ def test_auto_asks_the_cost_model_on_a_known_gpu():
     best, _ = predicted_choice(args, "NVIDIA H100 80GB HBM3", symm_mem_usable=True)
     assert best.strategy.name in ("p2p", "symm-mem")
     assert predicted_choice(args, "cpu", True) is None
+
+
+def test_agreement_tensors_go_to_the_groups_device(monkeypatch):
+    """NCCL reduces CUDA tensors only: under a NCCL group the agreement's tensor must be made on
+    the current CUDA device. On this CPU-only torch that shows as the error of making it there,
+    raised before any collective; a CPU tensor reaching all_reduce fails the test."""
+    import torch.distributed as dist
+
+    from megatron_overlap.comm import agree
+    from megatron_overlap.tune.cache import DiskCache, choose
+
+    reduced = []
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: reduced.append(t.device))
+    assert agree.group_device(object()) == torch.device("cuda", 0)
+    agreement = agree.GroupAgreement(object())
+    for call in (lambda: agreement.max([1.0, 2.0]), lambda: agreement.any(True),
+                 lambda: choose(DiskCache("t", directory="/nonexistent"), "k", [1, 2], float, agreement)):
+        with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+            call()
+    assert reduced == []  # no tensor ever reached the collective on the wrong device
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert agree.group_device(object()) == torch.device("cpu") and agreement.max([3.0]) == [3.0]
+    assert reduced == [torch.device("cpu")]

@@ -41,7 +41,7 @@ def mlp_main(args) -> int:
         from ..tune.measure_cpu import measure
 
         rates = measure(cfg.hidden, cfg.ffn, cfg.seq, cfg.tp)
-        print("\ncost model (cost/bench_predict.py) given this run's link and compute, and these GEMM rates:")
+        print("\ncost model (tune/bench_predict.py) given this run's link and compute, and these GEMM rates:")
         print(compare(result, rates))
         predicted = predict_mlp_bench(result, rates)
         result["prediction"] = {k: v for k, v in predicted.items() if not k.endswith("_result")}

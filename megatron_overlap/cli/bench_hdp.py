@@ -1,11 +1,11 @@
-"""``megatron-overlap bench hdp``: the three schedulers on the same global batches, scored by the
+"""``megatron-overlap bench hdp``: the three schedulers on the same full batches, scored by the
 same cost model and step simulator.
 
     static              fixed CP size from the longest sequence, greedy token packing (baselines.py)
     megatron_balanced   megatron-core's BalancedCPScheduler, unmodified (baselines.py)
     hdp                 ours (scheduler.py)
 
-Batches: ``--lengths-file F`` (one token count per line; a blank line ends a global batch, so a
+Batches: ``--lengths-file F`` (one token count per line; a blank line ends a full batch, so a
 file without blank lines is one batch; ``#`` starts a comment), or a built-in distribution,
 drawn with a fixed seed (``--seed``), ``--steps`` batches of ``--batch-tokens`` tokens each
 (default 8 x R x C: 8 micro-batches of C tokens per rank on average; the last sequence drawn
@@ -223,16 +223,16 @@ def format_table(result: Dict) -> str:
 
 def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--lengths-file", default="", metavar="F",
-                        help="one token count per line, a blank line between global batches "
+                        help="one token count per line, a blank line between full batches "
                              "(default: a built-in distribution)")
     parser.add_argument("--distribution", choices=DISTRIBUTIONS, default="heavy-tailed",
                         help="built-in distribution when no --lengths-file is given")
     parser.add_argument("--ranks", type=int, default=64, help="R = DP x CP ranks")
     parser.add_argument("--max-tokens-per-rank", type=int, default=32768, metavar="C",
                         help="C: rows one rank holds in a micro-batch (--hdp-max-tokens-per-rank)")
-    parser.add_argument("--steps", type=int, default=4, help="global batches drawn from the distribution")
+    parser.add_argument("--steps", type=int, default=4, help="full batches drawn from the distribution")
     parser.add_argument("--batch-tokens", type=int, default=0,
-                        help="tokens per drawn global batch (default 8 x R x C)")
+                        help="tokens per drawn full batch (default 8 x R x C)")
     parser.add_argument("--max-len", type=int, default=262144, help="longest drawn sequence")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mode", choices=MODES, default="dp",

@@ -1,7 +1,7 @@
 """``megatron-overlap demo --hdp``: hybrid data parallelism on real ranks, on a CPU.
 
 Four gloo ranks (spawned here) hold one tiny GPT each (Megatron's local spec, fp32, TP 1, CP 1,
-``--hdp`` installed) and one mixed-length global batch, dealt round-robin to the ranks as a data
+``--hdp`` installed) and one mixed-length full batch, dealt round-robin to the ranks as a data
 loader would. The same batch runs twice through ``hdp.runtime`` (lengths all-gathered, plan,
 token exchange, forward + backward per micro-batch inside its ring context):
 

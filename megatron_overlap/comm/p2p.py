@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 
 def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
-    """Global rank of ``group_rank`` in ``group`` (P2P calls take global ranks)."""
+    """World rank of ``group_rank`` in ``group`` (P2P calls take world ranks)."""
     return dist.get_global_rank(group, group_rank)
 
 

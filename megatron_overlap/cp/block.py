@@ -128,7 +128,6 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 def _plain_forward(q, k, v, kind, scale, mask):
     sq, b, hq, d = q.shape
-    hk = k.shape[2]
     s = _scores(q, k, scale, kind, mask)
     lse = torch.logsumexp(s, dim=-1)  # [b, hk, g, sq]
     p = torch.exp(s - _finite(lse).unsqueeze(-1))

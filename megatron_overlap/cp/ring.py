@@ -253,17 +253,8 @@ def ring_backward(dout, q, k, v, out, lse, kept, layout: RingLayout, ring: Ring,
             if opts.overlap:
                 post_kv(t, i, current[i])
                 post_dkv_recv(t, i)
-            plan = layout.plan(x, j, i)
-            acc = None
-            if plan is not None:
-                g_q, g_k, g_v = _grads(q, current[i][0], current[i][1], out, lse, dout, delta, plan, scale, opts)
-                _add_at(dq, plan.rows, g_q)
-                if isinstance(plan.cols, slice) and plan.cols == slice(None):
-                    acc = torch.stack((g_k, g_v))
-                else:
-                    acc = torch.zeros(piece_shape(i), dtype=torch.float32, device=k.device)
-                    _add_at(acc[0], plan.cols, g_k)
-                    _add_at(acc[1], plan.cols, g_v)
+            acc = _piece_grads(q, current[i], out, lse, dout, delta, layout.plan(x, j, i), scale, opts, dq,
+                               piece_shape(i))
             if (t, i) in dkv_in:
                 work, buf = dkv_in.pop((t, i))
                 work.wait()
@@ -272,6 +263,29 @@ def ring_backward(dout, q, k, v, out, lse, kept, layout: RingLayout, ring: Ring,
                 s_work, _ = exchange(ring.group, send=acc, dst=ring.peer(-1), tag=_tag("cp.dkv", t, i, P))
                 sends.add(s_work, acc, wait_now=not opts.overlap)
         held = current
+    _own_block_and_home(q, k, v, out, lse, dout, delta, layout, x, n, scale, opts, dq, dk, dv, dkv_in)
+    if kv_in or dkv_in:
+        raise RuntimeError(f"ring backward finished with receives never used: {sorted(kv_in)}, {sorted(dkv_in)}")
+    sends.wait()
+    return dq, dk, dv
+
+
+def _piece_grads(q, kv, out, lse, dout, delta, plan, scale, opts, dq, shape):
+    """Adds the block's dQ into ``dq``; returns its dK/dV ``[2, piece rows, ...]`` (None: no work)."""
+    if plan is None:
+        return None
+    g_q, g_k, g_v = _grads(q, kv[0], kv[1], out, lse, dout, delta, plan, scale, opts)
+    _add_at(dq, plan.rows, g_q)
+    if isinstance(plan.cols, slice) and plan.cols == slice(None):
+        return torch.stack((g_k, g_v))
+    acc = torch.zeros(shape, dtype=torch.float32, device=q.device)
+    _add_at(acc[0], plan.cols, g_k)
+    _add_at(acc[1], plan.cols, g_v)
+    return acc
+
+
+def _own_block_and_home(q, k, v, out, lse, dout, delta, layout, x, n, scale, opts, dq, dk, dv, dkv_in):
+    """The own block's gradients, and the dK/dV sums of our own K/V that came home (step n)."""
     own = layout.own(x)
     if own is not None:
         g_q, g_k, g_v = _grads(q, k, v, out, lse, dout, delta, own, scale, opts)
@@ -284,10 +298,6 @@ def ring_backward(dout, q, k, v, out, lse, kept, layout: RingLayout, ring: Ring,
             work.wait()
             dk[a:b_] += buf[0]
             dv[a:b_] += buf[1]
-    if kv_in or dkv_in:
-        raise RuntimeError(f"ring backward finished with receives never used: {sorted(kv_in)}, {sorted(dkv_in)}")
-    sends.wait()
-    return dq, dk, dv
 
 
 class RingAttention(torch.autograd.Function):

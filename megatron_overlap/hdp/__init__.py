@@ -1,4 +1,4 @@
-"""Hybrid data parallelism (HDP, after ByteScale): each sequence of a global batch on as few of the
+"""Hybrid data parallelism (HDP, after ByteScale): each sequence of a full batch on as few of the
 DP x CP ranks as hold it, short ones whole on one rank, long ones zigzag-sharded over a ring of
 ceil(L / C) ranks, every rank's work per step balanced.
 
@@ -9,7 +9,7 @@ ceil(L / C) ranks, every rank's work per step balanced.
     scheduler.py   the HDP scheduler (``schedule_hdp``)
     baselines.py   ``static`` CP, and megatron-core's ``BalancedCPScheduler`` output as a plan
     checks.py      model settings the runtime cannot honour (at install)
-    samples.py     a rank's share of the global batch (``Sample``, ``as_samples``)
+    samples.py     a rank's share of the full batch (``Sample``, ``as_samples``)
     layout.py      which token rows a rank holds in a micro-batch (pure, from the plan)
     exchange.py    the lengths all-gather and the one row all-to-all, over an explicit group
     runtime.py     ``--hdp`` on real ranks: plan, exchange, micro-batches with their rings and
@@ -55,7 +55,7 @@ SCHEDULERS = {"static": _static, "hdp": schedule_hdp}  # megatron-core's: integr
 
 
 def schedule(name: str, seq_lens, ranks: int, capacity_tokens: int, cost=None, **kwargs) -> Plan:
-    """Plan of scheduler ``name`` (one of ``SCHEDULERS``) for one global batch."""
+    """Plan of scheduler ``name`` (one of ``SCHEDULERS``) for one full batch."""
     if name not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {name!r}: choose one of {', '.join(SCHEDULERS)}")
     return SCHEDULERS[name](seq_lens, ranks, capacity_tokens, cost, **kwargs)

@@ -1,7 +1,7 @@
 """The two collectives of an HDP step, over one explicit process group G (R ranks).
 
 1. :func:`gather_lengths`: each rank brings its own samples (what its data iterator loaded); the
-   ranks all-gather only their lengths and each sample's loss-mask sum (for the global token
+   ranks all-gather only their lengths and each sample's loss-mask sum (for the total token
    count). Global sample id = position in (rank 0's samples, rank 1's, ...).
 2. :func:`exchange_rows`: the plan says which token rows each rank holds (whole short sequences,
    zigzag shards of long ones, ``Shard.ranges``). Rows a rank needs from a sample another rank
@@ -29,7 +29,7 @@ from .samples import Sample
 
 def gather_lengths(samples: Sequence[Sample], group) -> Tuple[tuple, tuple, tuple]:
     """All-gather (length, loss-mask sum) of every rank's samples. Returns (lengths, weights,
-    owners) in global-id order; ``owners[i] = (rank that loaded it, its index there)``."""
+    owners) in sample-id order; ``owners[i] = (rank that loaded it, its index there)``."""
     size, dev = dist.get_world_size(group), group_device(group)
     count = torch.tensor([len(samples)], dtype=torch.int64, device=dev)
     counts = [torch.empty_like(count) for _ in range(size)]

@@ -1,10 +1,10 @@
-"""The ``--hdp`` runtime: one step's global batch, planned by the scheduler, run on real ranks.
+"""The ``--hdp`` runtime: one step's full batch, planned by the scheduler, run on real ranks.
 
 Per step, on every rank of one process group G (Megatron's data-parallel group with CP = 1, or
 WORLD), R = |G| ranks::
 
     1. lengths     each rank brings its own samples (what its data iterator loaded); the ranks
-                   all-gather only their lengths (and each sample's loss-mask sum, for the global
+                   all-gather only their lengths (and each sample's loss-mask sum, for the total
                    token count): two small collectives. Global sample id = position in
                    (rank 0's samples, rank 1's, ...).
     2. plan        every rank runs the same deterministic scheduler (``schedule_hdp``, or the
@@ -42,10 +42,10 @@ recompute_allowed)`` refuses models it cannot run exactly, ``positions(model, po
 count)`` is the true-position context, ``require_patched()`` refuses to run while the patched
 attention is not installed, ``packed_params(layout)`` is the ring's THD view for attention.
 
-Loss. Each rank sums its tokens' losses, weighted by the loss mask, and divides by the GLOBAL
+Loss. Each rank sums its tokens' losses, weighted by the loss mask, and divides by the TOTAL
 token count N = sum of every sample's loss mask (from step 1, no extra collective)::
 
-    L_r = sum_{t on r} m_t l_t / N          sum_r L_r = (1/N) sum_t m_t l_t  (the global mean)
+    L_r = sum_{t on r} m_t l_t / N          sum_r L_r = (1/N) sum_t m_t l_t  (the mean over all tokens)
 
 Gradients are then SUMMED over G (``reduce_gradients``; with Megatron's DDP:
 ``calculate_per_token_loss=True``, whose gradient scaling is 1, i.e. a sum), so they equal the
@@ -144,7 +144,7 @@ class MicroBatch:
 @dataclass
 class HdpStep:
     """One planned step on this rank: the plan, this rank's micro-batches in order, and the
-    global token count N (the loss divisor)."""
+    total token count N (the loss divisor)."""
 
     plan: Plan
     rank: int
@@ -153,7 +153,7 @@ class HdpStep:
     microbatches: List[MicroBatch]
     seq_lens: Tuple[int, ...]
     token_weights: Tuple[float, ...]
-    owners: Tuple[Tuple[int, int], ...]  # global id -> (rank that loaded it, its index there)
+    owners: Tuple[Tuple[int, int], ...]  # sample id -> (rank that loaded it, its index there)
     moved_tokens: int  # tokens that crossed ranks in the exchange (all ranks together)
 
     @property
@@ -162,7 +162,7 @@ class HdpStep:
 
     @property
     def global_tokens(self) -> float:
-        """N: loss-weighted tokens of the whole global batch."""
+        """N: loss-weighted tokens of the whole full batch."""
         return float(sum(self.token_weights))
 
     @property
@@ -197,7 +197,7 @@ class HdpRuntime:
 
     # -- steps ---------------------------------------------------------------------------------
     def plan(self, seq_lens: Sequence[int]) -> Plan:
-        """The plan of a global batch (deterministic: the same on every rank)."""
+        """The plan of a full batch (deterministic: the same on every rank)."""
         from . import schedule
 
         kwargs = {"mode": self.mode} if self.scheduler == "hdp" else {}
@@ -246,7 +246,7 @@ def default_forward(model, mb: MicroBatch) -> torch.Tensor:
 
 @dataclass
 class StepResult:
-    """``loss``: this rank's share of the global mean loss (sum it over the group, ``reduce_loss``);
+    """``loss``: this rank's share of the mean loss over all tokens (sum it over the group, ``reduce_loss``);
     per micro-batch wall and thread-CPU seconds of forward + backward."""
 
     loss: torch.Tensor
@@ -282,7 +282,7 @@ def forward_backward(model, step: HdpStep, forward: Callable = default_forward, 
 
 
 def reduce_loss(local: torch.Tensor, group: dist.ProcessGroup) -> float:
-    """The global mean loss: the sum over the group of each rank's ``StepResult.loss``."""
+    """The mean loss over all tokens: the sum over the group of each rank's ``StepResult.loss``."""
     t = local.detach().double().reshape(1).clone()
     dist.all_reduce(t, group=group)
     return float(t.item())

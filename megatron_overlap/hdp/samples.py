@@ -1,4 +1,4 @@
-"""One rank's share of a global batch, as its data iterator loaded it (``Sample``), and the
+"""One rank's share of a full batch, as its data iterator loaded it (``Sample``), and the
 formats ``as_samples`` accepts (lists of samples, dicts, tuples, Megatron batch dicts with or
 without ``cu_seqlens``)."""
 
@@ -43,7 +43,7 @@ def _sample(tokens, labels, loss_mask=None) -> Sample:
 
 
 def as_samples(item) -> List[Sample]:
-    """This rank's share of the global batch as ``Sample`` s. Accepted: a list of ``Sample``, of
+    """This rank's share of the full batch as ``Sample`` s. Accepted: a list of ``Sample``, of
     dicts (``tokens``, ``labels``, optional ``loss_mask``, 1-D) or of (tokens, labels[, mask])
     tuples; or a Megatron batch dict: ``tokens``/``labels``/``loss_mask`` ``[b, s]`` with each row
     one sample, or ``[1, T]`` / ``[T]`` packed documents with ``cu_seqlens`` (entries < 0, the

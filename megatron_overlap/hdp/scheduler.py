@@ -1,7 +1,7 @@
-"""The HDP scheduler: one step's global batch onto R = DP x CP ranks, each sequence on as few
+"""The HDP scheduler: one step's full batch onto R = DP x CP ranks, each sequence on as few
 ranks as hold it, every rank's work per step within a small slack of the others.
 
-Input: the sequence lengths of the global batch, the ranks R, the per-rank capacity C
+Input: the sequence lengths of the full batch, the ranks R, the per-rank capacity C
 (``--hdp-max-tokens-per-rank``: rows one rank holds in a micro-batch, padding included) and the
 cost model (``cost.HdpCostModel``; every scheduler is scored by the same one). Output: a
 ``plan.Plan``, per rank the ordered micro-batches. Pure Python, no communication, deterministic:
@@ -97,8 +97,8 @@ def check_batch(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, mode:
                                  f"length of a run without context parallelism)")
     lens = tuple(seq_lens)
     if not lens:
-        raise ValueError("empty batch: the global batch has no sequences to schedule (check the data "
-                         "loader and the global batch size)")
+        raise ValueError("empty batch: the batch has no sequences to schedule (check the data "
+                         "loader and the full batch size)")
     for i, length in enumerate(lens):
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"sequence {i} has length {length!r}: every sequence needs a positive integer "
@@ -263,7 +263,7 @@ def split_to(bins: List[List[int]], count: int, lens: Sequence[int]) -> List[Lis
 
 def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
                  cost: Optional[HdpCostModel] = None, mode: str = "dp") -> Plan:
-    """The HDP plan of one global batch (module docstring). Raises ``OverlapConfigError`` /
+    """The HDP plan of one full batch (module docstring). Raises ``OverlapConfigError`` /
     ``ValueError`` on bad input (``check_batch``)."""
     lens = check_batch(seq_lens, ranks, capacity_tokens, mode)
     cost = cost or HdpCostModel()

@@ -93,7 +93,7 @@ def linear_signature(fn: Callable) -> inspect.Signature:
 
 
 def default_tp_group(tp_group):
-    """Megatron's fallback when a layer passes no group (the global TP group)."""
+    """Megatron's fallback when a layer passes no group (the default TP group)."""
     if tp_group is not None:
         return tp_group
     from megatron.core import parallel_state

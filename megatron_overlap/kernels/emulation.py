@@ -45,15 +45,14 @@ def push_chunk(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor, program
                                     counter_ptr=counter)
 
 
-_WARMED: set = set()
-
-
 def emulate_ag_gemm(
     world: int, m_local: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     producer: str = "copy_engine", config: TileConfig = CONFIGS[0], seed: int = 0,
-    inputs: Optional[tuple] = None, reference: bool = True,
+    inputs: Optional[tuple] = None, reference: bool = True, warmed: Optional[set] = None,
 ) -> dict:
-    """Run AG-GEMM for virtual rank 0 with a live producer; return out, reference and buffers."""
+    """Run AG-GEMM for virtual rank 0 with a live producer; return out, reference and buffers.
+    ``warmed``: the caller's record of producer kernels already loaded (see below); without one
+    they are loaded on every call."""
     if producer not in ("copy_engine", "push_kernel"):
         raise ValueError(f"producer must be copy_engine or push_kernel, got {producer!r}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -85,10 +84,11 @@ def emulate_ag_gemm(
         # this; lazy loading is the likely cause). Triton compiles a kernel per specialization
         # of its integer arguments (e.g. numel divisible by 16), so warm per shape.
         key = (producer, str(device), dtype, world, m_local, k)
-        if key not in _WARMED:
+        if warmed is None or key not in warmed:
             produce(torch.empty_like(gathered), torch.zeros_like(flags))
             torch.cuda.synchronize(device)
-            _WARMED.add(key)
+            if warmed is not None:
+                warmed.add(key)
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
         # SMs left free so the producer's kernels (flag writes, push copies) can run beside it.
