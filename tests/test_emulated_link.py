@@ -39,3 +39,20 @@ def test_plugin_moves_the_same_bytes_as_stock(pool4):
             ours_total, ours_ops = counted["ours"]
             assert stock_total > 0
             assert ours_total == stock_total, (stock_ops, ours_ops)
+
+
+def test_every_path_is_delayed_and_counted_once(pool4):
+    """DDP's coalesced bucket all-reduces (overlap_grad_reduce on and off), torch's two names of
+    a collective, and equal tags in two groups: the link counts exactly the bytes the tensors
+    hold, no step ends before its bytes / bandwidth, and groups do not share deadlines."""
+    for ogr in (True, False):
+        for r in pool4.run(rank_fns.link_paths, ogr):
+            assert r["buckets"] >= 1 and r["expected_ddp_bytes"] > 0, r
+            assert r["all_reduce_bytes"] == r["expected_ddp_bytes"] + 6, r  # + the reported loss (fp32, 2 x 3/4 x 4 B)
+            # a step cannot beat its own transfers (before the fix DDP's coalesced all-reduce was not delayed)
+            assert r["step_s"] >= r["bytes_s"], r
+            assert r["bytes_s"] > 0.1 and r["blocked_s"] > 0, r
+            assert r["names"]["all_gather_into_tensor"][1] + r["names"]["all_gather_single"][1] == r["expected_gather_bytes"]
+            assert r["names"]["reduce_scatter_tensor"][1] + r["names"]["reduce_scatter_single"][1] == r["expected_scatter_bytes"]
+            assert sum(calls for calls, _ in r["names"].values()) == 4, r["names"]  # one count per call, no alias twice
+            assert r["large_recv_s"] >= 0.99 * r["large_s"] and r["recv_ok"], r

@@ -13,10 +13,12 @@ class DeadlineBoard:
     """Deadlines of P2P messages in flight, in a shared file mapping (/dev/shm), one hash table
     per (src, dst).
 
-    The sender posts ``(tag, seq) -> deadline`` before it sends (``seq`` counts its messages to
-    that peer with that tag); the receiver, which counts the same way (gloo matches a peer's
-    messages of one tag in order), takes the entry once the data has arrived, so the entry is
-    always there by then.
+    The sender posts ``(group, tag, seq) -> deadline`` before it sends (``seq`` counts its
+    messages to that peer with that tag in that group); the receiver, which counts the same way
+    (gloo matches a peer's messages of one tag in one group in order), takes the entry once the
+    data has arrived, so the entry is always there by then. ``group`` is a channel number
+    derived from the process group's name, the same on every rank; two groups are two channels,
+    as in gloo, so equal tags in different groups never mix.
     """
 
     SLOTS = 8192
@@ -48,10 +50,16 @@ class DeadlineBoard:
     def _base(self, src: int, dst: int) -> int:
         return (src * self.world + dst) * self.SLOTS
 
-    def post(self, src: int, dst: int, tag: int, deadline: float):
-        seq = self._sent[(dst, tag)]
-        self._sent[(dst, tag)] = seq + 1
-        key, base = (tag << 32) | seq, self._base(src, dst)
+    @staticmethod
+    def _key(channel: int, tag: int, seq: int) -> int:
+        if not 0 <= tag < 1 << 23:
+            raise ValueError(f"emulated link: P2P tag {tag} outside 0 .. 2**23 - 1 (gloo matches 24 bits)")
+        return (channel << 43) | (tag << 20) | (seq & 0xFFFFF)  # < 2**63: fits the board's int64
+
+    def post(self, src: int, dst: int, tag: int, deadline: float, channel: int = 0):
+        seq = self._sent[(channel, dst, tag)]
+        self._sent[(channel, dst, tag)] = seq + 1
+        key, base = self._key(channel, tag, seq), self._base(src, dst)
         slot = hash(key) % self.SLOTS
         for _ in range(self.SLOTS):
             if self.keys[base + slot] == self.EMPTY:
@@ -61,13 +69,13 @@ class DeadlineBoard:
             slot = (slot + 1) % self.SLOTS
         raise RuntimeError("emulated link: more than 8192 messages in flight between two ranks")
 
-    def next_key(self, src: int, dst: int, tag: int) -> tuple:
-        seq = self._received[(src, tag)]
-        self._received[(src, tag)] = seq + 1
-        return (src, dst, tag, seq)
+    def next_key(self, src: int, dst: int, tag: int, channel: int = 0) -> tuple:
+        seq = self._received[(channel, src, tag)]
+        self._received[(channel, src, tag)] = seq + 1
+        return (src, dst, tag, seq, channel)
 
-    def take(self, src: int, dst: int, tag: int, seq: int) -> float:
-        key, base = (tag << 32) | seq, self._base(src, dst)
+    def take(self, src: int, dst: int, tag: int, seq: int, channel: int = 0) -> float:
+        key, base = self._key(channel, tag, seq), self._base(src, dst)
         slot = hash(key) % self.SLOTS
         for _ in range(self.SLOTS):
             if self.keys[base + slot] == key:
@@ -75,7 +83,8 @@ class DeadlineBoard:
                 self.keys[base + slot] = self.EMPTY
                 return deadline
             slot = (slot + 1) % self.SLOTS
-        raise RuntimeError(f"emulated link: no deadline posted for message {seq} with tag {tag} from rank {src}")
+        raise RuntimeError(f"emulated link: no deadline posted for message {seq} with tag {tag} from rank {src} "
+                           f"(channel {channel})")
 
     def close(self):
         for view in (self.keys, self.values, *self._halves, self._view):

@@ -10,10 +10,18 @@ egress port is free to start it, and waiting for it costs no CPU (the waiting th
   ``R-1`` latencies (``2(R-1)`` for all-reduce). Its real gloo op is issued at once; ``wait``
   returns once the real op is done *and* the emulated deadline has passed;
 - a P2P send is handed to the real backend at once; its deadline goes on a board in shared
-  memory (keyed by sender, receiver, tag and sequence number), and the receiver's ``wait``
-  returns only once that deadline has passed, so it sees the data exactly as late as the link
-  would deliver it. No helper thread and no extra message: on a busy CPU a thread wake-up or a
-  gloo message per send costs more than the sends being measured.
+  memory (keyed by process group, sender, receiver, tag and sequence number), and the
+  receiver's ``wait`` returns only once that deadline has passed, so it sees the data exactly as
+  late as the link would deliver it. No helper thread and no extra message: on a busy CPU a
+  thread wake-up or a gloo message per send costs more than the sends being measured;
+- collectives issued inside ``torch.distributed._coalescing_manager`` (Megatron DDP's bucket
+  all-reduces / reduce-scatters) are only recorded by torch and run as one coalesced op when the
+  block ends: the link counts each, books the port for their sum when the block ends, and the
+  coalesced work (``cm.wait()``, or the block's own end when synchronous) returns no earlier than
+  that deadline;
+- torch's two names of a collective (``all_gather_into_tensor`` calls ``all_gather_single``,
+  ``reduce_scatter_tensor`` calls ``reduce_scatter_single``) count once: an alias calling the
+  other passes through.
 
 It replaces the functions on ``torch.distributed`` and ``distributed_c10d`` and rebinds every
 module-level reference to them in Megatron's and in this plugin's modules (Megatron binds
@@ -26,8 +34,10 @@ CPU / gloo only: on GPU the real link is the one to measure.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
+import zlib
 import threading
 import time
 from collections import defaultdict
@@ -55,6 +65,7 @@ _COLLECTIVES = (
     "broadcast",
 )
 _P2P = ("isend", "irecv")
+_COALESCING = "_coalescing_manager"
 _REBIND_PREFIXES = ("megatron", "megatron_overlap")
 
 
@@ -180,19 +191,42 @@ class EmulatedLink:
         old, self.stats = self.stats, LinkStats()
         return old
 
-    def _reserve(self, op: str, nbytes: int, messages: int) -> float:
+    def _reserve(self, op: str, nbytes: int, messages: int, ops: Optional[list] = None) -> float:
+        """Book the egress port for ``nbytes``; the deadline. ``ops``: the ``(op, bytes)`` to count
+        (default: ``[(op, nbytes)]``; a coalesced batch books once and counts each)."""
         now = time.perf_counter()
         start = max(now, self._free_at)
         xfer = nbytes / (self.spec.bandwidth_GBps * 1e9)
         self._free_at = start + xfer
         done = start + xfer + messages * self.spec.latency_us * 1e-6
         stats = self.stats
-        stats.bytes_by_op[op] += nbytes
-        stats.calls_by_op[op] += 1
+        for name, counted in ops or [(op, nbytes)]:
+            stats.bytes_by_op[name] += counted
+            stats.calls_by_op[name] += 1
         stats.busy_s += done - start
         if self.record_spans:
             stats.spans.append(Span(op, nbytes, now, start, done))
         return done
+
+    def _reserve_batch(self, batch: list) -> float:
+        """One port booking for a coalesced batch of ``(op, bytes, messages)``; each op's bytes
+        counted under its own name."""
+        if not batch:
+            return time.perf_counter()
+        total = sum(nbytes for _op, nbytes, _m in batch)
+        return self._reserve("coalesced " + batch[0][0], total, max(m for _op, _b, m in batch),
+                             ops=[(op, nbytes) for op, nbytes, _m in batch])
+
+    def _coalescing_batch(self, group):
+        """The open coalescing batch of ``group`` (None: not inside ``_coalescing_manager``)."""
+        stack = getattr(self._local, "coalescing", None)
+        if not stack:
+            return None
+        group = group if group is not None else c10d._get_default_group()
+        for owner, batch in reversed(stack):
+            if owner is group:
+                return batch
+        return None
 
     def _blocked(self, t0: float, t1: float):
         self.stats.blocked_s += t1 - t0
@@ -237,6 +271,15 @@ class EmulatedLink:
             bound = signature.bind(*args, **kwargs)
             async_op = bool(bound.arguments.get("async_op", False))
             nbytes, messages = link._collective_cost(name, bound)
+            batch = link._coalescing_batch(bound.arguments.get("group"))
+            if batch is not None:  # torch only records it; the coalesced op runs at the block's end
+                if nbytes:
+                    batch.append((name, nbytes, messages))
+                link._local.inside = True
+                try:
+                    return original(*bound.args, **bound.kwargs)
+                finally:
+                    link._local.inside = False
             deadline = link._reserve(name, nbytes, messages) if nbytes else time.perf_counter()
             bound.arguments["async_op"] = True
             link._local.inside = True
@@ -254,13 +297,49 @@ class EmulatedLink:
         emulated.__wrapped__ = original
         return emulated
 
+    def _wrap_coalescing(self, original: Callable) -> Callable:
+        link = self
+
+        @contextlib.contextmanager
+        def coalescing(group=None, device=None, async_ops=False):
+            owner = group if group is not None else c10d._get_default_group()
+            batch: list = []
+            stack = getattr(link._local, "coalescing", None)
+            if stack is None:
+                stack = link._local.coalescing = []
+            stack.append((owner, batch))
+            deadline = None
+            try:
+                with original(group, device, async_ops) as cm:
+                    yield cm
+                    stack.pop()
+                    deadline = link._reserve_batch(batch)  # booked as the coalesced op is issued
+            finally:
+                if stack and stack[-1][1] is batch:
+                    stack.pop()
+            if deadline is None or not batch:
+                return
+            if async_ops:
+                cm.works = [_EmuWork(link, work, deadline) for work in cm.works] or [_EmuWork(link, None, deadline)]
+            else:
+                _EmuWork(link, None, deadline).wait()
+
+        coalescing.__wrapped__ = original
+        return coalescing
+
+    @staticmethod
+    def _channel(group) -> int:
+        """The board channel of ``group``: from its name, the same on every rank."""
+        name = getattr(group, "group_name", None) if group is not None else None
+        return zlib.crc32(str(name or "default").encode()) & 0xFFFFF
+
     def _wrap_isend(self, original: Callable) -> Callable:
         link = self
 
         def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
             peer = dst if group_dst is None else dist.get_global_rank(group or dist.group.WORLD, group_dst)
             deadline = link._reserve("isend", tensor.nbytes, 1)
-            link._board.post(link._rank, peer, tag, deadline)
+            link._board.post(link._rank, peer, tag, deadline, link._channel(group))
             return _EmuWork(link, original(tensor, dst, group, tag, group_dst), deadline)
 
         isend.__name__ = "isend"
@@ -274,7 +353,7 @@ class EmulatedLink:
             if src is None and group_src is None:
                 raise ValueError("emulated link: irecv needs an explicit source rank")
             peer = src if group_src is None else dist.get_global_rank(group or dist.group.WORLD, group_src)
-            key = link._board.next_key(peer, link._rank, tag)
+            key = link._board.next_key(peer, link._rank, tag, link._channel(group))
             return _RecvWork(link, original(tensor, src, group, tag, group_src), key)
 
         irecv.__name__ = "irecv"
@@ -304,6 +383,12 @@ class EmulatedLink:
                 if getattr(module, name, None) is original:
                     self._rebound.append((module, name, original))
                     setattr(module, name, wrapper)
+        original = c10d.__dict__[_COALESCING]
+        wrappers[id(original)] = self._wrap_coalescing(original)
+        for module in (c10d, dist):
+            if getattr(module, _COALESCING, None) is original:
+                self._rebound.append((module, _COALESCING, original))
+                setattr(module, _COALESCING, wrappers[id(original)])
         for module_name, module in list(sys.modules.items()):
             if module is None or not module_name.startswith(_REBIND_PREFIXES):
                 continue
