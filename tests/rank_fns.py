@@ -494,3 +494,100 @@ def autotuned_layers_match_stock(tp: int, flags: list[str], cache_dir: str) -> d
     for path in glob.glob(f"{cache_dir}/rank{dist.get_rank()}/tp_plans.json"):
         entries = len(json.load(open(path)))
     return {"worst": worst, "entries": entries, "pieces": pieces}
+
+
+# --------------------------------------------------------------------------- emulated link: every path
+_PAIR_GROUPS: dict = {}
+
+
+def _pair_groups():
+    """Two distinct groups over the same pairs (0,1) and (2,3): same ranks, separate channels."""
+    if not _PAIR_GROUPS:
+        for name in ("a", "b"):
+            for start in (0, 2):
+                group = dist.new_group([start, start + 1])
+                if start <= dist.get_rank() < start + 2:
+                    _PAIR_GROUPS[name] = group
+    return _PAIR_GROUPS["a"], _PAIR_GROUPS["b"]
+
+
+def link_paths(overlap_grad_reduce: bool) -> dict:
+    """Megatron DDP's coalesced bucket all-reduces, torch's two names of each collective, and two
+    groups with the same tags between the same ranks, all on the emulated link: bytes counted
+    against bytes computed from the tensors themselves, times against bytes / bandwidth."""
+    from megatron_overlap.comm.p2p import exchange
+    from megatron_overlap.lab import tiny_gpt
+    from megatron_overlap.lab.emulated_link import EmulatedLink, LinkSpec
+
+    out = {}
+    spec = tiny_gpt.TinyGPT()
+    tiny_gpt.init_parallel(1)
+    model = tiny_gpt.wrap_ddp(tiny_gpt.build(spec, 1), overlap_grad_reduce=overlap_grad_reduce)
+    size = dist.get_world_size()
+    buckets = [b.grad_data.nbytes for buf in model.buffers for b in buf.buckets]
+    out["expected_ddp_bytes"] = sum(int(2 * (size - 1) / size * n) for n in buckets)
+    out["buckets"] = len(buckets)
+    link_spec = LinkSpec(bandwidth_GBps=0.01, latency_us=0.0)  # ~0.16 s for the grads: far above the compute
+    with EmulatedLink(LinkSpec(bandwidth_GBps=1e6, latency_us=0.0)) as link:
+        tiny_gpt.train_step(model, spec, 0)  # warm: the first step builds buffers and the autograd graph
+        link.spec = link_spec
+        link.reset()
+        dist.barrier()
+        t0 = time.perf_counter()
+        tiny_gpt.train_step(model, spec, 1)
+        out["step_s"] = time.perf_counter() - t0
+        stats = link.reset()
+        out["all_reduce_bytes"] = stats.bytes_by_op["all_reduce"]
+        out["total_bytes"] = stats.total_bytes
+        out["bytes_s"] = stats.total_bytes / (link_spec.bandwidth_GBps * 1e9)
+        out["blocked_s"] = stats.blocked_s
+        # both names of each collective, counted once per call
+        x = torch.ones(1 << 16)
+        gathered = torch.empty(size * x.numel())
+        shard = torch.empty(x.numel() // size)
+        for name in ("all_gather_into_tensor", "all_gather_single"):
+            getattr(dist, name)(gathered, x)
+        for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+            getattr(dist, name)(shard, x)
+        stats = link.reset()
+        out["names"] = {k: (stats.calls_by_op[k], stats.bytes_by_op[k]) for k in stats.calls_by_op}
+        out["expected_gather_bytes"] = 2 * (size - 1) * x.nbytes
+        out["expected_scatter_bytes"] = 2 * (size - 1) * shard.nbytes
+        # the same tag in two groups between the same ranks: B (small) sent first, A (large) second;
+        # the receiver takes A first, which must wait for A's own deadline, not B's
+        a, b = _pair_groups()
+        peer = dist.get_rank(a) ^ 1
+        small, large = torch.ones(1 << 10), torch.ones(1 << 18)  # 4 KiB, 1 MiB
+        link.spec = LinkSpec(bandwidth_GBps=0.02, latency_us=0.0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        rb, rl = torch.empty_like(small), torch.empty_like(large)
+        sb, wb = exchange(b, send=small, dst=peer, recv=rb, src=peer, tag=7)
+        sl, wl = exchange(a, send=large, dst=peer, recv=rl, src=peer, tag=7)
+        wl.wait()
+        out["large_recv_s"] = time.perf_counter() - t0
+        wb.wait()
+        sb.wait()
+        sl.wait()
+        out["large_s"] = link.spec.seconds(large.nbytes)
+        out["recv_ok"] = bool(torch.equal(rb, small) and torch.equal(rl, large))
+    return out
+
+
+def gpt_losses_fused_wgrad(tp: int, steps: int, flags: list[str], overlap_grad_reduce: bool) -> dict:
+    """The tiny GPT with gradient-accumulation fusion (Megatron's default where apex exists):
+    the plugin keeps wgrad GEMMs back to fill its waits; losses and the store's counters."""
+    from megatron_overlap.integration.install import find_installation
+    from megatron_overlap.lab import tiny_gpt
+
+    _install(flags)
+    try:
+        inst = find_installation()
+        losses = tiny_gpt.train(tiny_gpt.TinyGPT(), tp=tp, steps=steps, overlap_grad_reduce=overlap_grad_reduce,
+                                gradient_accumulation_fusion=True)
+        store = inst.wgrad if inst is not None else None
+        if store is None:
+            return {"losses": losses, "ran": 0, "left": 0}
+        return {"losses": losses, "ran": store.ran, "left": len(store)}
+    finally:
+        _install([])

@@ -182,14 +182,17 @@ def test_demo_end_to_end(tmp_path):
     from megatron_overlap.trace.report import spans
 
     files = sorted(p.name for p in traces.iterdir())
-    assert files == [f"rank{r}.iter2.{m}.json" for r in range(4) for m in ("baseline", "overlap")]
+    world = result["config"]["world"]
+    assert world == min(4, 2 if len(os.sched_getaffinity(0)) < 4 else 4)  # one rank per core
+    assert files == [f"rank{r}.iter2.{m}.json" for r in range(world) for m in ("baseline", "overlap")]
     for name in files:
         s = spans(str(traces / name))
         assert s["compute"] and s["wait"] and s["link"], name
     report = cli("report", str(traces))
     assert report.returncode == 0, report.stderr
     assert (traces / "timeline.png").stat().st_size > 10_000
-    assert report.stdout.count("iter2.overlap") == 4
+    assert report.stdout.count("iter2.overlap") == world
+    assert out.stdout.startswith("megatron-overlap demo: TP=2")
 
 
 def test_bench_mlp_smoke():
@@ -255,3 +258,31 @@ def test_demo_hdp_cli():
     assert static["loss"] == pytest.approx(hdp["loss"], rel=1e-5)
     assert sorted(hdp["ring_sizes"]) != sorted(static["ring_sizes"])  # HDP shards fewer sequences
     assert "[1/4]" not in out.stdout and "max/mean" in out.stdout
+
+
+def test_demo_layout_is_one_rank_per_core_and_says_so():
+    import argparse
+
+    from megatron_overlap.cli.demo import add_demo_args, configure
+
+    parser = argparse.ArgumentParser()
+    add_demo_args(parser)
+    cfg, header = configure(parser.parse_args([]), cores=2)
+    assert (cfg.world, cfg.tp) == (2, 2) and "one per core" in header and "note" not in header
+    cfg, header = configure(parser.parse_args([]), cores=8)
+    assert (cfg.world, cfg.tp) == (4, 2) and "TP=2 x DP=2" in header
+    cfg, header = configure(parser.parse_args(["--world", "4"]), cores=2)
+    assert cfg.world == 4 and "4 ranks on 2 cores" in header  # said before it runs
+    cfg, _ = configure(parser.parse_args(["--cp", "4"]), cores=2)
+    assert (cfg.world, cfg.tp, cfg.cp) == (4, 1, 4)
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--hdp", "--steps", "3"], "demo --hdp runs its own batch on 4 ranks and does not read --steps"),
+    (["--hdp", "--seq", "64", "--world", "2"], "does not read --world, --seq"),
+    (["--hdp-max-tokens-per-rank", "64"], "--hdp-max-tokens-per-rank only applies with --hdp"),
+    (["--cp", "2", "--overlap-tp-chunks", "4"], "runs with TP=1 (no TP overlap), so --overlap-tp-chunks"),
+])
+def test_demo_modes_refuse_flags_they_do_not_use(flags, words):
+    out = cli("demo", *flags, timeout=120)
+    assert out.returncode != 0 and words in out.stderr, out.stderr[-2000:]

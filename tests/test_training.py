@@ -30,3 +30,18 @@ def test_losses_match_stock(pool4, tp, flags, overlap_grad_reduce):
             assert abs(a - b) <= LOSS_REL_TOL * abs(b), (rank, step, a, b)
     # the model learns: the run is not a constant
     assert stock[0][-1] < stock[0][0]
+
+
+@pytest.mark.parametrize("overlap_grad_reduce", [False, True], ids=["ogr-off", "ogr-on"])
+def test_held_back_wgrads_train_like_stock(pool4, overlap_grad_reduce):
+    """With gradient-accumulation fusion the plugin keeps wgrad GEMMs back to fill the waits on
+    its transfers (tp/wgrad_store.py) and holds DDP's grad-ready registration until they ran:
+    the losses are stock's bit for bit (TP=2: the same GEMMs on the same tensors, only later),
+    and the store was used."""
+    stock = pool4.run(rank_fns.gpt_losses_fused_wgrad, 2, STEPS, [], overlap_grad_reduce)
+    ours = pool4.run(rank_fns.gpt_losses_fused_wgrad, 2, STEPS, ["--overlap-tp", "p2p"], overlap_grad_reduce)
+    for rank in range(4):
+        assert ours[rank]["losses"] == stock[rank]["losses"], rank
+        # 2 layers x (qkv, proj, fc1, fc2) + the output layer: 9 wgrads held back per step
+        assert ours[rank]["ran"] == 9 * STEPS and ours[rank]["left"] == 0, ours[rank]
+    assert stock[0]["losses"][-1] < stock[0]["losses"][0]

@@ -5,6 +5,7 @@
 | ``tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce`` (and its re-export ``tensor_parallel.<same name>``) | ``linears.py`` (Column + SP -> ``tp``) | Megatron's ColumnParallelLinear takes a pluggable AG-GEMM |
 | ``tensor_parallel.layers.RowParallelLinear.forward``            | ``linears.py`` (Row + SP -> ``tp``) | Megatron's RowParallelLinear takes a pluggable GEMM-RS |
 | ``transformer.dot_product_attention.DotProductAttention.__init__`` / ``.forward`` | ``attention.py`` (``--overlap-cp``, ``--hdp`` -> ``cp``) | Megatron's local attention supports CP |
+| ``distributed.param_and_grad_buffer._ParamAndGradBucketGroup.register_grad_ready`` | ``ddp.py`` (TP overlap: a parameter is ready once its held-back wgrad GEMM ran) | Megatron's DDP learns of wgrads computed after the backward hook |
 | ``megatron.training.training.train_step``                       | ``training.py`` (``--overlap-trace``) | Megatron-LM's loop takes a profiler hook |
 
 ``ColumnParallelLinear._forward_impl`` looks the module-level function up at call time, so
@@ -41,6 +42,7 @@ PATCH_POINTS = (
     ("megatron.core.tensor_parallel.layers", "RowParallelLinear.forward"),
     ("megatron.core.transformer.dot_product_attention", "DotProductAttention.__init__"),
     ("megatron.core.transformer.dot_product_attention", "DotProductAttention.forward"),
+    ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.register_grad_ready"),
     ("megatron.training.training", "train_step"),
 )
 
@@ -77,6 +79,7 @@ class Installation:
         self.context = context
         self.ring_options = ring_options or RingOptions()
         self.tp = None  # tp.plan.TPPlanner while TP overlap runs
+        self.wgrad = None  # tp.wgrad_store.WgradStore while TP overlap runs
         self.prefetch = PrefetchRegistry()
         self.checked: set = set()
         self._noticed: set = set()

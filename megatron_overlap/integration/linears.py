@@ -67,6 +67,11 @@ def patch(inst) -> None:
         plans = load_plan_file(inst.config.tp.plan_file) if inst.config.tp.plan_file else None
         tuner = PlanTuner(inst.config.tp.autotune, plans)
     inst.tp = TPPlanner(inst.config.tp, make_backend(inst.config.tp.mode), tuner)
+    from ..tp.wgrad_store import WgradStore
+    from . import ddp
+
+    inst.wgrad = WgradStore()
+    ddp.patch(inst)
     original = layers.__dict__[_LINEAR_FN]
     column = _column_linear(inst, original)
     inst.set_attr(layers, _LINEAR_FN, column)
@@ -86,7 +91,7 @@ def _comm(inst, kind: str, group, x, weight, shard_rows: int) -> TPComm:
         inst.tp.backend.check(x)
         check_tp_model(inst.config.tp, ModelContext(tp_size=size, sequence_parallel=True, seq_length=shard_rows * size))
         inst.checked.add(key)
-    return TPComm(group, inst.tp.plan(kind, x, weight, group, shard_rows), inst.tp.backend, inst.prefetch)
+    return TPComm(group, inst.tp.plan(kind, x, weight, group, shard_rows), inst.tp.backend, inst.prefetch, inst.wgrad)
 
 
 def _column_linear(inst, original):

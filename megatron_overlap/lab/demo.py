@@ -14,21 +14,21 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class DemoConfig:
-    world: int = 4
+    world: int = 2  # cli/demo.py picks the layout by the machine's cores (one rank per core)
     tp: int = 2
     steps: int = 20
     warmup: int = 2
     layers: int = 2
-    hidden: int = 512
-    ffn: int = 1408
+    hidden: int = 1024
+    ffn: int = 2816
     heads: int = 8
     kv_heads: int = 2
     seq: int = 1024
     micro_batch: int = 1
-    vocab: int = 512
+    vocab: int = 4096
     lr: float = 0.05
     bandwidth_GBps: float = 0.0  # 0: calibrate (TP transfer time = comm_ratio x GEMM time)
-    comm_ratio: float = 1.0
+    comm_ratio: float = 1.25  # transfers = 1.25 x the GEMMs: stock then waits ~40% of its step (BENCHMARKS.md)
     latency_us: float = 20.0
     chunks: int = 0
     rs: str = "ring"
@@ -102,10 +102,13 @@ class DemoRanks:
         torch.manual_seed(self.cfg.seed)
         model_parallel_cuda_manual_seed(self.cfg.seed)
         if self.cfg.cp == 1:
-            return tiny_gpt.wrap_ddp(tiny_gpt.build(self.spec, self.cfg.tp), overlap_grad_reduce=True)
+            # gradient-accumulation fusion: Megatron's default where apex is installed (the lab's CPU shim here)
+            return tiny_gpt.wrap_ddp(tiny_gpt.build(self.spec, self.cfg.tp, gradient_accumulation_fusion=True),
+                                     overlap_grad_reduce=True)
         # CP attention is set up when the layer is built: under the flags the model will run with
         self._install("overlap" if mode == "overlap" else "baseline")
-        model = tiny_gpt.build(self.spec, self.cfg.tp, context_parallel_size=self.cfg.cp)
+        model = tiny_gpt.build(self.spec, self.cfg.tp, context_parallel_size=self.cfg.cp,
+                               gradient_accumulation_fusion=True)
         return tiny_gpt.wrap_ddp(model, overlap_grad_reduce=True)
 
     def _install(self, mode: str) -> None:
@@ -184,7 +187,8 @@ class DemoRanks:
         from ..trace.tracer import StepTracer
 
         out = {}
-        for mode in ("baseline", "overlap"):
+        # which runs first alternates per step, so a drift of the machine hits both alike
+        for mode in ("baseline", "overlap") if index % 2 == 0 else ("overlap", "baseline"):
             self._install(mode)
             tracer = StepTracer(self.cfg.trace_dir, {index} if record and self.cfg.trace_dir else (),
                                 rank=dist.get_rank(), label=mode, link=self.link)

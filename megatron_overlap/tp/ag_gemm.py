@@ -11,7 +11,7 @@ BLAS computes each output element the same way (seen on CPU fp32; the tests chec
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,12 @@ def gather_matmul(
     group: dist.ProcessGroup,
     pieces: Sequence[Piece],
     gathered: Optional[torch.Tensor] = None,
+    after_own: Optional[Callable[[], None]] = None,
 ) -> torch.Tensor:
     """``all_gather(x_shard) @ weight_t`` with the gather hidden behind the GEMM. When
-    ``gathered [R*s, ...]`` is given it also receives the whole gathered input."""
+    ``gathered [R*s, ...]`` is given it also receives the whole gathered input. ``after_own``
+    runs once the local shard's GEMM is done, before the first remote piece is waited for
+    (other work for the time the pieces travel: ``tp.wgrad_store``)."""
     size = dist.get_world_size(group)
     rows = x_shard.shape[0]
     out = torch.empty(
@@ -40,6 +43,8 @@ def gather_matmul(
     ring = RingAllGather(x_shard, gathered, group, pieces, copy_own=keep)
     own_rows, own = ring.own()
     torch.matmul(own, weight_t, out=out[own_rows])  # the local shard in one GEMM while pieces travel
+    if after_own is not None:
+        after_own()
     for step in range(1, size):
         for k in range(len(ring.pieces)):
             _owner, out_rows, piece = ring.take(step, k)

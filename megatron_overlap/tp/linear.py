@@ -33,7 +33,8 @@ from ..comm.collectives import all_gather_into
 from ..trace.tracer import wait
 from .backends.base import TPBackend
 from .plan import TPPlan
-from .wgrad import as_2d, weight_gradient
+from .wgrad import as_2d, deferrable, deferred_weight_gradient, weight_gradient
+from .wgrad_store import WgradStore
 
 _custom_fwd = torch.amp.custom_fwd(device_type="cuda")
 _custom_bwd = torch.amp.custom_bwd(device_type="cuda")
@@ -46,7 +47,9 @@ class GatherSlot:
 
     Splitting balances the link: the Row backward carries the all-gather of its grad-output
     and the early part, the Column backward its reduce-scatter and the rest; with the whole
-    gather on either side that side's link time would exceed its compute.
+    gather on either side that side's link time would exceed its compute. (Measured, with the
+    whole gather started early by the Row backward, on the MLP block and on the tiny GPT, where
+    attention sits between qkv and proj: worse both times, BENCHMARKS.md.)
     """
 
     def __init__(self, x_shard: torch.Tensor, group: dist.ProcessGroup, early_fraction: float):
@@ -124,13 +127,26 @@ class WgradOptions:
 @dataclass(frozen=True, eq=False)
 class TPComm:
     """Where and how a linear's collectives run: its TP ``group``, the ``plan`` (plain data), the
-    ``backend`` that moves and multiplies, and the installation's ``prefetch`` registry (None: no
-    wgrad-input prefetch between Row and Column linears)."""
+    ``backend`` that moves and multiplies, the installation's ``prefetch`` registry (None: no
+    wgrad-input prefetch between Row and Column linears) and its ``wgrad`` store (None: every
+    wgrad GEMM runs where it is computed)."""
 
     group: dist.ProcessGroup
     plan: TPPlan
     backend: TPBackend
     prefetch: Optional[PrefetchRegistry] = None
+    wgrad: Optional[WgradStore] = None
+
+
+
+
+
+def _wgrad(weight, grad_2d, input_2d, wgrad: WgradOptions, like, comm: TPComm):
+    """The weight's gradient as stock returns it; its GEMM kept back in the store where it may
+    wait (``wgrad.deferrable``), else run now."""
+    if comm.wgrad is not None and deferrable(weight, wgrad.accumulation_fusion):
+        return deferred_weight_gradient(weight, grad_2d, input_2d, like, comm.wgrad)
+    return weight_gradient(weight, grad_2d, input_2d, wgrad.accumulation_fusion, like)
 
 
 class ColumnParallelSP(torch.autograd.Function):
@@ -172,11 +188,14 @@ class ColumnParallelSP(torch.autograd.Function):
             slot.start()  # no-op when the Row linear after us already started it
 
         # dgrad = RS(dy @ w); its last hop travels while the wgrad GEMM runs
+        mark = comm.wgrad.mark() if comm.wgrad is not None else None
         pending = comm.backend.matmul_reduce_scatter(grad_output, weight, comm.group, comm.plan)
+        if comm.wgrad is not None:
+            comm.wgrad.run(older_than=mark)  # while the partials and the input re-gather travel
 
         if wgrad_compute:
             grad_output, total_input = as_2d(grad_output, slot.take())
-            grad_weight = weight_gradient(weight, grad_output, total_input, wgrad.accumulation_fusion, input)
+            grad_weight = _wgrad(weight, grad_output, total_input, wgrad, input, comm)
         else:
             grad_weight = weight_gradient(weight, None, None, wgrad.accumulation_fusion, input)
         grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
@@ -206,11 +225,13 @@ class RowParallelSP(torch.autograd.Function):
         if wgrad.accumulation_fusion:
             weight.main_grad = ctx.main_grad
         grad_output = grad_output.contiguous()
-        grad_input, gathered = comm.backend.gather_matmul(grad_output, weight, comm.group, comm.plan,
-                                                          keep_gathered=True)
         slot, ctx.prefetch_slot = ctx.prefetch_slot, None
+        # while the grad-output pieces travel, after the local dgrad GEMM: the held-back wgrads
+        run_held = comm.wgrad.run if comm.wgrad is not None else None
+        grad_input, gathered = comm.backend.gather_matmul(grad_output, weight, comm.group, comm.plan,
+                                                          keep_gathered=True, after_own=run_held)
         if slot is not None:
             slot.start_early()
         grad_2d, input_2d = as_2d(gathered, input)
-        grad_weight = weight_gradient(weight, grad_2d, input_2d, wgrad.accumulation_fusion, input)
+        grad_weight = _wgrad(weight, grad_2d, input_2d, wgrad, input, comm)
         return grad_input, grad_weight, None, None

@@ -47,6 +47,23 @@ def _fused_accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main
     main_grad.add_(torch.matmul(grad_output.t(), total_input).to(main_grad.dtype))
 
 
+def deferrable(weight: torch.Tensor, gradient_accumulation_fusion: bool) -> bool:
+    """Whether the wgrad of ``weight`` may wait in a ``WgradStore``: only where stock itself
+    accumulates into ``main_grad`` and hands DDP a dummy (fusion on a DDP parameter, not a
+    Megatron-FSDP one), so every attribute DDP reads is set exactly as stock sets it."""
+    return (gradient_accumulation_fusion and getattr(weight, "main_grad", None) is not None
+            and hasattr(weight, "grad_added_to_main_grad") and not hasattr(weight, "__fsdp_param__"))
+
+
+def deferred_weight_gradient(weight: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor,
+                             like: torch.Tensor, store) -> torch.Tensor:
+    """Stock's return value now (the dummy, ``grad_added_to_main_grad``); ``main_grad +=
+    grad_output^T @ total_input`` pushed to ``store`` (``tp.wgrad_store``)."""
+    main_grad = weight.main_grad  # this use's buffer, as restored from ctx by the caller
+    store.push(weight, lambda: _fused_accumulate(total_input, grad_output, main_grad))
+    return weight_gradient(weight, None, None, True, like)
+
+
 def weight_gradient(
     weight: torch.Tensor,
     grad_output: Optional[torch.Tensor],

@@ -45,9 +45,11 @@ class TPBackend(abc.ABC):
         """Refuse (an ``OverlapConfigError`` on ``tp.mode``) tensors this backend cannot run."""
 
     @abc.abstractmethod
-    def gather_matmul(self, x_shard, weight_t, group, plan, keep_gathered: bool = False):
+    def gather_matmul(self, x_shard, weight_t, group, plan, keep_gathered: bool = False, after_own=None):
         """``(AG(x_shard) @ weight_t, AG(x_shard) or None)``: the gathered input too when
-        ``keep_gathered`` (the Row backward's wgrad needs it)."""
+        ``keep_gathered`` (the Row backward's wgrad needs it). ``after_own()``: other work to
+        run while the remote pieces travel (``tp.wgrad_store``), called once, after the local
+        part is issued; a backend without such a point calls it once its op is issued."""
 
     @abc.abstractmethod
     def matmul_reduce_scatter(self, x, weight_t, group, plan):

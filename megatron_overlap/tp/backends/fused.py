@@ -98,7 +98,7 @@ class FusedBackend(TPBackend):
         return self.configs.choose(kind, m, n, k, dtype, world=dist.get_world_size(group), agree=GroupAgreement(group))
 
     # ------------------------------------------------------------------ AG-GEMM
-    def gather_matmul(self, x_shard, weight_t, group, plan, keep_gathered=False):
+    def gather_matmul(self, x_shard, weight_t, group, plan, keep_gathered=False, after_own=None):
         from ...kernels.ag_gemm import ag_gemm
 
         size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -141,6 +141,8 @@ class FusedBackend(TPBackend):
         else:
             transport()
             launch()
+        if after_own is not None:  # the kernel is one op: after it is issued
+            after_own()
         return out, (gathered if keep_gathered else None)
 
     # ------------------------------------------------------------------ GEMM-RS

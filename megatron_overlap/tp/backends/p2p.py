@@ -12,9 +12,9 @@ class P2PBackend(TPBackend):
 
     name = "p2p"
 
-    def gather_matmul(self, x_shard, weight_t, group, plan, keep_gathered=False):
+    def gather_matmul(self, x_shard, weight_t, group, plan, keep_gathered=False, after_own=None):
         gathered = gathered_buffer(x_shard, group) if keep_gathered else None
-        return gather_matmul(x_shard, weight_t, group, plan.pieces, gathered), gathered
+        return gather_matmul(x_shard, weight_t, group, plan.pieces, gathered, after_own=after_own), gathered
 
     def matmul_reduce_scatter(self, x, weight_t, group, plan):
         return start_matmul_reduce_scatter(x, weight_t, group, plan.pieces, plan.rs_algo)

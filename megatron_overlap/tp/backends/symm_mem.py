@@ -96,8 +96,11 @@ class SymmMemBackend(TPBackend):
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             refuse("symm-mem", f"dtype {x.dtype} is not supported (bf16, fp16, fp32)")
 
-    def gather_matmul(self, x_shard, weight_t, group, plan, keep_gathered=False):
-        return self.ops.all_gather_matmul(x_shard, weight_t, group, keep_gathered)
+    def gather_matmul(self, x_shard, weight_t, group, plan, keep_gathered=False, after_own=None):
+        result = self.ops.all_gather_matmul(x_shard, weight_t, group, keep_gathered)
+        if after_own is not None:  # no point inside the fused op: after it is issued
+            after_own()
+        return result
 
     def matmul_reduce_scatter(self, x, weight_t, group, plan):
         return Done(self.ops.matmul_reduce_scatter(x, weight_t, group))

@@ -1,0 +1,88 @@
+"""Weight-gradient GEMMs kept back for the time a later transfer travels (Centauri's layer
+level: the dgrad path is the critical one, the wgrad path can wait).
+
+A linear's backward hands Megatron what stock hands it (the dummy grad, ``grad_added_to_main_grad``)
+and pushes its ``main_grad += dy^T x`` here instead of running it. The tasks run, oldest first,
+at fixed points of the backward pass, the same on every rank. Nothing depends on timing: a
+rank that chose to compute while its peers did not would post its next transfer late and
+make them wait (tried: letting a Column run its own task when its last hop had not arrived
+made the tiny GPT's step 5-10% slower than this fixed order, BENCHMARKS.md).
+
+- in a Row backward, after its local dgrad GEMM, while the grad-output pieces of its all-gather
+  travel: every task held (a link-bound Row, such as attention's proj, gets the wgrad of the
+  Column before it: fc1's);
+- in a Column backward, once its reduce-scatter partials and input re-gather are on their way:
+  the tasks held from before that backward began (its own task waits for the next Row: fc1's
+  wgrad fills attention proj's wait);
+- when more than ``limit`` tasks are held (each keeps its two inputs: memory stays bounded);
+- at the end of the backward pass (``drain``, queued on autograd's engine), always.
+
+Numerics are untouched: the same GEMM on the same tensors into the same ``main_grad``, only
+later. Megatron DDP must not see the parameter as ready before its task ran: the integration
+layer defers its ``register_grad_ready`` through :meth:`after` (``integration/ddp.py``). Tasks
+exist only where stock itself accumulates into ``main_grad`` (gradient-accumulation fusion on a
+DDP parameter); elsewhere the wgrad runs in place, as before.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Optional
+
+import torch
+
+
+class WgradStore:
+    """One per installation; see the module docstring."""
+
+    def __init__(self, limit: int = 2):
+        self.limit = limit
+        self._tasks: collections.deque = collections.deque()  # (sequence number, param, fn)
+        self._pushed = 0
+        self._after: dict = {}  # id(param) -> callbacks once its last task ran
+        self._drain_queued = False
+        self.ran = 0  # tasks run so far (tests count them)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def push(self, param: torch.Tensor, fn: Callable[[], None]) -> None:
+        """Keep ``fn`` (the wgrad of ``param``) for later. Call from inside a backward pass."""
+        self._tasks.append((self._pushed, param, fn))
+        self._pushed += 1
+        if not self._drain_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.drain)
+            self._drain_queued = True
+        while len(self._tasks) > self.limit:
+            self._run_one()
+
+    def mark(self) -> int:
+        """A point in the push order: ``run(older_than=mark)`` runs only what came before."""
+        return self._pushed
+
+    def run(self, older_than: Optional[int] = None) -> None:
+        """Run the tasks held (only those pushed before ``older_than``, when given)."""
+        while self._tasks and (older_than is None or self._tasks[0][0] < older_than):
+            self._run_one()
+
+    def drain(self) -> None:
+        self._drain_queued = False
+        self.run()
+
+    def pending(self, param: torch.Tensor) -> bool:
+        return any(p is param for _seq, p, _fn in self._tasks)
+
+    def after(self, param: torch.Tensor, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once every task of ``param`` has run (now, if none is pending)."""
+        if not self.pending(param):
+            callback()
+            return
+        self._after.setdefault(id(param), []).append(callback)
+
+    def _run_one(self) -> None:
+        _seq, param, fn = self._tasks.popleft()
+        fn()
+        self.ran += 1
+        if not self.pending(param):
+            for callback in self._after.pop(id(param), ()):
+                callback()
