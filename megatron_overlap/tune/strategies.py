@@ -20,8 +20,9 @@
     1 / (R * fill_chunks) of the rows. RS side: the GEMM kernel writes every owner's slot, and
     the all-to-all of the slots starts only when the kernel has finished (across GPUs the
     in-kernel overlap needs device-initiated sends, not implemented), then a local reduce; the
-    column bwd's wgrad runs beside that all-to-all. Its kernel may be slower than a plain GEMM
-    (``fused_slowdown``, default 0: the model cannot say by how much).
+    column bwd's wgrad runs beside that all-to-all. Its GEMM runs at the speed measured on an
+    H200 (``fused_slowdown``, default from ``measured.FUSED_AG_GEMM_VS_CUBLAS``: 0.26x cuBLAS,
+    i.e. 2.9x the time of a plain GEMM); ``fused_slowdown=0`` models the kernel at cuBLAS speed.
 ``flux`` (the published Flux design, for the published-vs-predicted table only; no flag selects
     it): tiles wait on chunk arrivals by copy engine (AG) or push their partial tiles to the
     owner from the epilogue (RS): max(GEMM, transfer + fill) on both sides.
@@ -30,11 +31,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .comm import all_gather_cost, all_reduce_cost, p2p_cost, reduce_scatter_cost, transfer_cost
 from .engine import Graph
 from .gemm import elementwise_ms, gemm_ms
 from .layer_ops import Attention, Elementwise, Exchange, Linear
+from .measured import fused_slowdown
 
 STRATEGIES = ("megatron", "p2p", "symm-mem", "fused", "flux")
 
@@ -46,13 +49,20 @@ class Strategy:
     rs: str = "ring"  # p2p: ring | a2a
     prefetch_fraction: float = 0.5
     fused_fill_chunks: int = 4
-    fused_slowdown: float = 0.0
+    fused_slowdown: Optional[float] = None  # None: measured for fused, 0 for flux (the paper's kernels)
 
     def __post_init__(self):
         if self.name not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.name!r}; one of {STRATEGIES}")
         if self.rs not in ("ring", "a2a") or self.chunks < 0:
             raise ValueError(f"invalid p2p options: chunks {self.chunks}, rs {self.rs!r}")
+
+    @property
+    def slowdown(self) -> float:
+        """Extra time of this strategy's fused GEMM over a plain one."""
+        if self.fused_slowdown is not None:
+            return self.fused_slowdown
+        return fused_slowdown() if self.name == "fused" else 0.0
 
     def label(self) -> str:
         if self.name != "p2p":
@@ -191,14 +201,14 @@ def _flux_gather(g, ctx, name, ready, total_bytes, gemm_of):
     s = ctx.strategy
     # peers' shards come straight from their owners (no ring): the port pipelines the copies
     ag = g.transfer(f"{name} AG (CE)", transfer_cost(total_bytes * (ctx.tp - 1) / ctx.tp, ctx.link), ready)
-    whole, fill = gemm_of(ctx.tokens) * (1 + s.fused_slowdown), _fill(ctx, gemm_of)
+    whole, fill = gemm_of(ctx.tokens) * (1 + s.slowdown), _fill(ctx, gemm_of)
     main = g.compute(f"{name} fused", whole - fill, ready)
     return g.compute(f"{name} fused tail", fill, [main, ag])
 
 
 def _flux_reduce(g, ctx, name, ready, n_out, gemm_of, after=None):
     s = ctx.strategy
-    whole, fill = gemm_of(ctx.tokens) * (1 + s.fused_slowdown), _fill(ctx, gemm_of)
+    whole, fill = gemm_of(ctx.tokens) * (1 + s.slowdown), _fill(ctx, gemm_of)
     head = g.compute(f"{name} fused", fill, ready)
     partials = ctx.tokens * n_out * ctx.d * (ctx.tp - 1) / ctx.tp  # tiles pushed straight to their owners
     rs = g.transfer(f"{name} RS (epilogue)", transfer_cost(partials, ctx.link), [head])
@@ -215,7 +225,7 @@ def _fused_gather(g, ctx, name, ready, total_bytes, gemm_of):
     # the P2P ring (NCCL, on SMs) fills the gathered buffer; the kernel reads chunks as they land
     ag = g.transfer(f"{name} AG (ring)", transfer_cost(total_bytes * (ctx.tp - 1) / ctx.tp, ctx.link), ready,
                     sm_comm=ctx.sm)
-    whole, fill = gemm_of(ctx.tokens) * (1 + s.fused_slowdown), _fill(ctx, gemm_of)
+    whole, fill = gemm_of(ctx.tokens) * (1 + s.slowdown), _fill(ctx, gemm_of)
     main = g.compute(f"{name} fused", whole - fill, ready, contended=True)
     return g.compute(f"{name} fused tail", fill, [main, ag])
 
@@ -226,7 +236,7 @@ def _fused_reduce(g, ctx, name, ready, n_out, gemm_of, after=None):
     if ctx.strategy.name == "flux":
         return _flux_reduce(g, ctx, name, ready, n_out, gemm_of, after)
     s = ctx.strategy
-    main = g.compute(f"{name} fused", gemm_of(ctx.tokens) * (1 + s.fused_slowdown), ready)
+    main = g.compute(f"{name} fused", gemm_of(ctx.tokens) * (1 + s.slowdown), ready)
     partials = ctx.tokens * n_out * ctx.d * (ctx.tp - 1) / ctx.tp
     rs = g.transfer(f"{name} RS (a2a)", transfer_cost(partials, ctx.link), [main], sm_comm=ctx.sm)
     beside = [after(main)] if after is not None else []
