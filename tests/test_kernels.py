@@ -102,3 +102,25 @@ def test_gpu_check_refuses_an_unknown_section():
     proc = subprocess.run([sys.executable, "-m", "megatron_overlap.kernels.bench.gpu_check", "--interpret",
                            "--only", "preset,bogus"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown section(s) ['bogus']" in proc.stderr
+
+
+def test_a_flag_that_never_rises_ends_the_kernel_with_an_error_naming_the_chunk():
+    """Every flag wait is bounded: chunk 3's flag is never raised (its producer died), the
+    kernel gives up after its spin cap, skips the tiles of that chunk, and the launcher raises
+    an error naming it; the other chunks are computed."""
+    import time
+
+    from megatron_overlap.kernels.ag_gemm import FlagWaitTimeout
+
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(64, 32, generator=gen), torch.randn(32, 16, generator=gen)
+    flags = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
+    bounds, out = [0, 16, 32, 48, 64], torch.zeros(64, 16)
+    t0 = time.monotonic()
+    with pytest.raises(FlagWaitTimeout, match="ag_gemm: the ready flag of chunk 3 was not raised within 50 spins"):
+        ag_gemm(a, b, flags, bounds, [0, 1, 2, 3], out=out, config=TileConfig(16, 16, 16), max_spins=50)
+    assert time.monotonic() - t0 < 60
+    assert rel(out[:48], a[:48] @ b) <= TOL and torch.count_nonzero(out[48:]) == 0  # skipped, not garbage
+    received = torch.randn(3, 8, 16, generator=gen)
+    with pytest.raises(FlagWaitTimeout, match="reduce_slots: the ready flag of slot 1 was not raised"):
+        reduce_slots(received, torch.tensor([1, 0, 1], dtype=torch.int32), [0, 1, 2], block=16, max_spins=20)

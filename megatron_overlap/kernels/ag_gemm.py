@@ -12,6 +12,11 @@ local chunk first, then the others in arrival order. The persistent programs tak
 that list round-robin; before its first load a tile spins on its chunk's flag (an acquire
 load), so GEMM work starts on whatever has landed. Read as a diff from a plain tiled GEMM, the
 only additions are the tile table and the spin.
+
+Every spin is bounded (``max_spins``, from a time-out, see :func:`spin_limit`): a flag that
+never comes up (its producer failed, its peer went silent) ends the wait, the tile is skipped
+and the chunk is recorded in an ``error`` word; the launcher turns it into
+:class:`FlagWaitTimeout` naming the chunk. The kernel never hangs the GPU.
 """
 
 from __future__ import annotations
@@ -49,11 +54,48 @@ CONFIGS = (
 )
 
 
+# Spins of a flag wait per second on a GPU (a sys-scope acquire load of a flag in device memory
+# takes roughly a microsecond): an iteration cap standing for a time-out on every backend,
+# the CPU interpreter included (which has no clock inside a kernel).
+SPINS_PER_SECOND = 1_000_000
+
+
+def spin_limit(timeout_s: float) -> int:
+    """The iteration cap of a flag wait that stands for ``timeout_s`` seconds (at least 1)."""
+    return max(1, min(int(timeout_s * SPINS_PER_SECOND), 2**31 - 1))
+
+
+class FlagWaitTimeout(RuntimeError):
+    """A kernel's flag wait gave up: ``index`` is the chunk (AG-GEMM) or slot (reduce) whose
+    ready flag was never raised."""
+
+    def __init__(self, kernel: str, index: int, max_spins: int):
+        self.kernel, self.index, self.max_spins = kernel, index, max_spins
+        super().__init__(f"{kernel}: the ready flag of {'chunk' if kernel == 'ag_gemm' else 'slot'} {index} was not "
+                         f"raised within {max_spins} spins (~{max_spins / SPINS_PER_SECOND:.0f} s on a GPU): its "
+                         "producer failed or its peer is silent; the kernel skipped what depended on it")
+
+
+def check_error(error: torch.Tensor, kernel: str, max_spins: int) -> None:
+    """Raise :class:`FlagWaitTimeout` if a wait of the kernel that wrote ``error`` gave up
+    (a device synchronisation on a GPU)."""
+    code = int(error.item())
+    if code:
+        raise FlagWaitTimeout(kernel, code - 1, max_spins)
+
+
 @triton.jit
-def _wait_flag(flag_ptr):
+def _wait_flag(flag_ptr, error_ptr, code, max_spins):
+    """Spin (acquire) until ``*flag_ptr != 0``, at most ``max_spins`` times. On time-out record
+    ``code + 1`` in ``*error_ptr`` and return False."""
     ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    while ready == 0:
+    spins = 0
+    while (ready == 0) & (spins < max_spins):
         ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        spins += 1
+    if ready == 0:
+        tl.atomic_max(error_ptr, code + 1)
+    return ready != 0
 
 
 @triton.jit
@@ -81,8 +123,8 @@ def _tile_matmul(a_ptr, b_ptr, rm, row_ok, rn, N, K, stride_am, stride_ak, strid
 
 @triton.jit
 def ag_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, flags_ptr, tiles_ptr,
-    N, K, num_tiles,
+    a_ptr, b_ptr, c_ptr, flags_ptr, tiles_ptr, error_ptr,
+    N, K, num_tiles, max_spins,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -97,17 +139,19 @@ def ag_gemm_kernel(
             row0 = tl.load(tiles_ptr + t * 4 + 1)
             row_end = tl.load(tiles_ptr + t * 4 + 2)
             col0 = tl.load(tiles_ptr + t * 4 + 3)
+            ready = True
             if WAIT:
-                _wait_flag(flags_ptr + chunk)
-            rm = row0 + tl.arange(0, BLOCK_M)
-            rn = col0 + tl.arange(0, BLOCK_N)
-            acc = _tile_matmul(a_ptr, b_ptr, rm, rm < row_end, rn, N, K, stride_am, stride_ak, stride_bk,
-                               stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
-            tl.store(
-                c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
-                acc.to(c_ptr.dtype.element_ty),
-                mask=(rm[:, None] < row_end) & (rn[None, :] < N),
-            )
+                ready = _wait_flag(flags_ptr + chunk, error_ptr, chunk, max_spins)
+            if ready:
+                rm = row0 + tl.arange(0, BLOCK_M)
+                rn = col0 + tl.arange(0, BLOCK_N)
+                acc = _tile_matmul(a_ptr, b_ptr, rm, rm < row_end, rn, N, K, stride_am, stride_ak, stride_bk,
+                                   stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+                tl.store(
+                    c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
+                    acc.to(c_ptr.dtype.element_ty),
+                    mask=(rm[:, None] < row_end) & (rn[None, :] < N),
+                )
 
 
 def tile_table(chunk_bounds: Sequence[int], order: Sequence[int], n: int, block_m: int, block_n: int,
@@ -141,9 +185,13 @@ def ag_gemm(
     config: TileConfig = CONFIGS[0],
     wait: bool = True,
     reserved_sms: int = 0,
+    max_spins: int = spin_limit(300.0),
+    error: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``a @ b`` with each tile gated on ``flags[chunk]``; chunk c is rows
-    ``[chunk_bounds[c], chunk_bounds[c+1])`` of ``a``; tiles run in chunk ``order``."""
+    ``[chunk_bounds[c], chunk_bounds[c+1])`` of ``a``; tiles run in chunk ``order``. A wait
+    gives up after ``max_spins``: with ``error`` (int32 [1], zeroed) given, the caller checks it
+    (``check_error``) when it suits; without, the launcher checks it at once (a sync on a GPU)."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"ag_gemm: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not chain")
     if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -158,15 +206,20 @@ def ag_gemm(
         out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     tiles = tile_table(chunk_bounds, order, n, config.BLOCK_M, config.BLOCK_N, a.device)
     programs = num_programs(a.device, tiles.shape[0], reserved_sms)
+    own_error = error is None
+    if own_error:
+        error = torch.zeros(1, dtype=torch.int32, device=a.device)
     ag_gemm_kernel[(programs,)](
-        a, b, out, flags, tiles,
-        n, k, tiles.shape[0],
+        a, b, out, flags, tiles, error,
+        n, k, tiles.shape[0], max_spins,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         NUM_PROGRAMS=programs,
         BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         WAIT=wait, IEEE=a.dtype == torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if own_error:
+        check_error(error, "ag_gemm", max_spins)
     return out
 
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ag_gemm import CONFIGS, TileConfig, ag_gemm
+from .ag_gemm import CONFIGS, TileConfig, ag_gemm, check_error, spin_limit
 from .gemm_rs import gemm_rs, reduce_slots
 
 
@@ -49,10 +49,14 @@ def emulate_ag_gemm(
     world: int, m_local: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
     producer: str = "copy_engine", config: TileConfig = CONFIGS[0], seed: int = 0,
     inputs: Optional[tuple] = None, reference: bool = True, warmed: Optional[set] = None,
+    error: Optional[torch.Tensor] = None,
 ) -> dict:
     """Run AG-GEMM for virtual rank 0 with a live producer; return out, reference and buffers.
     ``warmed``: the caller's record of producer kernels already loaded (see below); without one
-    they are loaded on every call."""
+    they are loaded on every call. ``error``: the kernel's error word (int32 [1], zeroed), for a
+    caller that checks it later (``ag_gemm.check_error``; a timing loop); without it, checked here.
+    It is never checked between the GEMM's launch and the producer's: the host would wait for a
+    kernel that waits for the producer."""
     if producer not in ("copy_engine", "push_kernel"):
         raise ValueError(f"producer must be copy_engine or push_kernel, got {producer!r}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -92,13 +96,16 @@ def emulate_ag_gemm(
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
         # SMs left free so the producer's kernels (flag writes, push copies) can run beside it.
-        out = ag_gemm(gathered, b, flags, bounds, order, config=config, reserved_sms=8)
+        word = error if error is not None else torch.zeros(1, dtype=torch.int32, device=device)
+        out = ag_gemm(gathered, b, flags, bounds, order, config=config, reserved_sms=8, error=word)
         with torch.cuda.stream(side):
             produce(gathered, flags)
         torch.cuda.current_stream(device).wait_stream(side)
+        if error is None:
+            check_error(word, "ag_gemm", spin_limit(300.0))
     else:
         produce(gathered, flags)
-        out = ag_gemm(gathered, b, flags, bounds, order, config=config)
+        out = ag_gemm(gathered, b, flags, bounds, order, config=config, error=error)
     ref = torch.matmul(torch.cat(shards), b) if reference else None  # off when timing
     return {"out": out, "reference": ref, "shards": shards, "b": b}
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ag_gemm import CONFIGS, TileConfig, _tile_matmul, _wait_flag, num_programs
+from .ag_gemm import CONFIGS, TileConfig, _tile_matmul, _wait_flag, check_error, num_programs, spin_limit
 
 
 @triton.jit
@@ -64,8 +64,8 @@ def gemm_rs_kernel(
 
 @triton.jit
 def reduce_slots_kernel(
-    recv_ptr, flags_ptr, out_ptr, order_ptr,
-    M_LOCAL, N, R,
+    recv_ptr, flags_ptr, out_ptr, order_ptr, error_ptr,
+    M_LOCAL, N, R, max_spins,
     stride_rs, stride_rm, stride_rn, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WAIT: tl.constexpr,
 ):
@@ -77,11 +77,13 @@ def reduce_slots_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, R):
         src = tl.load(order_ptr + i)
+        ready = True
         if WAIT:
-            _wait_flag(flags_ptr + src)
-        acc += tl.load(
-            recv_ptr + src * stride_rs + rm[:, None] * stride_rm + rn[None, :] * stride_rn, mask=mask, other=0.0
-        ).to(tl.float32)
+            ready = _wait_flag(flags_ptr + src, error_ptr, src, max_spins)
+        if ready:
+            acc += tl.load(
+                recv_ptr + src * stride_rs + rm[:, None] * stride_rm + rn[None, :] * stride_rn, mask=mask, other=0.0
+            ).to(tl.float32)
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -145,19 +147,28 @@ def reduce_slots(
     out: Optional[torch.Tensor] = None,
     wait: bool = True,
     block: int = 64,
+    max_spins: int = spin_limit(300.0),
+    error: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``out [M_local, N]`` = sum over ``received [R, M_local, N]`` in ``order``, slot by slot
-    as each one's flag is raised (fp32 accumulation)."""
+    as each one's flag is raised (fp32 accumulation). Waits are bounded as in ``ag_gemm``: a
+    slot whose flag never rises raises :class:`~.ag_gemm.FlagWaitTimeout` (checked here
+    unless the caller passes its own ``error`` word)."""
     r, m_local, n = received.shape
     if out is None:
         out = torch.empty((m_local, n), dtype=received.dtype, device=received.device)
     order_t = torch.tensor(list(order), dtype=torch.int32, device=received.device)
     grid = (triton.cdiv(m_local, block), triton.cdiv(n, block))
+    own_error = error is None
+    if own_error:
+        error = torch.zeros(1, dtype=torch.int32, device=received.device)
     reduce_slots_kernel[grid](
-        received, flags, out, order_t, m_local, n, r,
+        received, flags, out, order_t, error, m_local, n, r, max_spins,
         received.stride(0), received.stride(1), received.stride(2), out.stride(0), out.stride(1),
         BLOCK_M=block, BLOCK_N=block, WAIT=wait,
     )
+    if own_error:
+        check_error(error, "reduce_slots", max_spins)
     return out
 
 

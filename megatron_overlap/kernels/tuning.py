@@ -49,7 +49,9 @@ class ConfigChooser:
         b = torch.randn(k, n, dtype=dtype, device=device, generator=gen)
         if kind == "ag_gemm":
             flags = torch.ones(1, dtype=torch.int32, device=device)
-            run = lambda: _ag_gemm_module.ag_gemm(a, b, flags, [0, m], [0], config=config, wait=False)  # noqa: E731
+            error = torch.zeros(1, dtype=torch.int32, device=device)  # no waits (wait=False): nothing to check
+            run = lambda: _ag_gemm_module.ag_gemm(a, b, flags, [0, m], [0], config=config, wait=False,  # noqa: E731
+                                                  error=error)
         else:
             run = lambda: _gemm_rs_module.gemm_rs(a, b, 1, [0], config=config)  # noqa: E731
         return time_call(run, device)

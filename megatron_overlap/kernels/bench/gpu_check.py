@@ -132,7 +132,7 @@ def _context(args, sections):
 def _preset(c) -> bool:
     """AG-GEMM with every flag raised: correct on odd shapes (no producer: cannot wait forever),
     and its throughput against ``torch.matmul`` per tile config."""
-    from megatron_overlap.kernels.ag_gemm import ag_gemm
+    from megatron_overlap.kernels.ag_gemm import ag_gemm, check_error, spin_limit
 
     torch, args, results = c.torch, c.args, c.results
     w, ml, n, k = c.small["world"], c.small["m_local"], c.small["n"], c.small["k"]
@@ -147,7 +147,10 @@ def _preset(c) -> bool:
     order = list(range(args.world))
     per_config = {}
     for config in c.configs:
-        per_config[config.key()] = c.time_call(lambda: ag_gemm(c.a, c.b, flags, bounds, order, config=config), c.device)
+        error = torch.zeros(1, dtype=torch.int32, device=c.device)  # checked after timing, not per call
+        per_config[config.key()] = c.time_call(lambda: ag_gemm(c.a, c.b, flags, bounds, order, config=config,
+                                                               error=error), c.device)
+        check_error(error, "ag_gemm", spin_limit(300.0))
     best = min(per_config, key=per_config.get)
     c.best_config = next(cfg for cfg in c.configs if cfg.key() == best)
     results["ag_gemm_preset_ms"] = {k_: 1e3 * v for k_, v in per_config.items()}
@@ -199,7 +202,7 @@ def _symm_mem(c) -> bool:
 def _live(c) -> bool:
     """AG-GEMM fed by a live producer (copy engine, push kernel): correct, and its time against
     max(GEMM with flags preset, the copies alone)."""
-    from megatron_overlap.kernels.ag_gemm import ag_gemm
+    from megatron_overlap.kernels.ag_gemm import ag_gemm, check_error, spin_limit
     from megatron_overlap.kernels.emulation import emulate_ag_gemm
 
     torch, args, results = c.torch, c.args, c.results
@@ -215,8 +218,9 @@ def _live(c) -> bool:
     m_local = c.m_local
     flags = torch.ones(args.world, dtype=torch.int32, device=c.device)
     bounds = [i * m_local for i in range(args.world)] + [args.m]
+    error = torch.zeros(1, dtype=torch.int32, device=c.device)  # one word for every timed call, checked after
     t_fused = c.time_call(lambda: ag_gemm(c.a, c.b, flags, bounds, list(range(args.world)), config=c.best_config,
-                                          reserved_sms=8), c.device)  # as in the emulation
+                                          reserved_sms=8, error=error), c.device)  # as in the emulation
     shards = [torch.randn(m_local, args.k, dtype=c.dtype, device=c.device) for _ in range(args.world)]
     dst = torch.empty(args.m, args.k, dtype=c.dtype, device=c.device)
     t_copy = c.time_call(lambda: [dst[i * m_local:(i + 1) * m_local].copy_(s) for i, s in enumerate(shards[1:], 1)],
@@ -226,9 +230,10 @@ def _live(c) -> bool:
         live[producer] = c.time_call(lambda: emulate_ag_gemm(args.world, m_local, args.n, args.k, c.dtype, c.device,
                                                              producer=producer, config=c.best_config,
                                                              inputs=(shards, c.b), reference=False,
-                                                             warmed=c.warmed), c.device)
+                                                             warmed=c.warmed, error=error), c.device)
         print(f"  live producer {producer}: {1e3 * live[producer]:.3f} ms", flush=True)
         _save(args.json, {"live_producer_ms": {k_: 1e3 * v for k_, v in live.items()}})
+    check_error(error, "ag_gemm", spin_limit(300.0))
     results["copy_ms"] = 1e3 * t_copy
     results["live_fused_preset_ms"] = 1e3 * t_fused
     results["live_producer_ms"] = {k_: 1e3 * v for k_, v in live.items()}

@@ -67,10 +67,45 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 class FusedBackend(TPBackend):
     name = "fused"
 
-    def __init__(self, reserved_sms: int = 8, configs=None):
+    def __init__(self, reserved_sms: int = 8, configs=None, timeout_s: float = 300.0):
+        from ...kernels.ag_gemm import spin_limit
+
         self.reserved_sms = reserved_sms
         self.configs = configs  # optional kernels.tuning.ConfigChooser
+        self.max_spins = spin_limit(timeout_s)  # every flag wait in the kernels ends
         self._streams: dict = {}  # transport stream per CUDA device
+        self._watched: list = []  # (event, error word, kernel, describe) of kernels still running
+
+    def _watch(self, error, kernel: str, describe, device) -> None:
+        """Check ``error`` now on CPU; on a GPU once the kernel has finished (polled without a
+        sync at the next fused op, and at every ``finish``): the host must not wait for a
+        kernel that waits for the transport the host is about to issue."""
+        if device.type != "cuda":
+            self._raise_if_set(error, kernel, describe)
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        self._watched.append((event, error, kernel, describe))
+
+    def poll(self) -> None:
+        """Raise the error of any finished kernel whose flag wait gave up."""
+        still = []
+        for event, error, kernel, describe in self._watched:
+            if event.query():
+                self._raise_if_set(error, kernel, describe)
+            else:
+                still.append((event, error, kernel, describe))
+        self._watched = still
+
+    def _raise_if_set(self, error, kernel, describe) -> None:
+        from ...kernels.ag_gemm import FlagWaitTimeout, check_error
+
+        try:
+            check_error(error, kernel, self.max_spins)
+        except FlagWaitTimeout as exc:
+            raise RuntimeError(f"fused {kernel}: {describe(exc.index)} never arrived within {self.max_spins} spins: "
+                               "its sender failed or went silent (the ranks' collectives time out the same way)"
+                               ) from exc
 
     def _side_stream(self, device: torch.device):
         if device not in self._streams:
@@ -101,6 +136,7 @@ class FusedBackend(TPBackend):
     def gather_matmul(self, x_shard, weight_t, group, plan, keep_gathered=False, after_own=None):
         from ...kernels.ag_gemm import ag_gemm
 
+        self.poll()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         s = x_shard.shape[0]
         per_row = x_shard[0].numel() // x_shard.shape[-1] if s else 1  # tokens per sequence row
@@ -129,8 +165,11 @@ class FusedBackend(TPBackend):
                     flags[owner * len(pieces) + k] = 1
             ring.finish()
 
+        error = torch.zeros(1, dtype=torch.int32, device=x_shard.device)
         launch = functools.partial(ag_gemm, _flat(gathered), weight_t, flags, bounds, order, out=_flat(out),
-                                   config=config, reserved_sms=self.reserved_sms)
+                                   config=config, reserved_sms=self.reserved_sms, max_spins=self.max_spins, error=error)
+        P = len(pieces)
+        describe = lambda c: f"chunk {c} (group rank {c // P}'s piece {c % P})"  # noqa: E731
         if x_shard.device.type == "cuda":
             side = self._side_stream(x_shard.device)
             side.wait_stream(torch.cuda.current_stream(x_shard.device))
@@ -141,6 +180,7 @@ class FusedBackend(TPBackend):
         else:
             transport()
             launch()
+        self._watch(error, "ag_gemm", describe, x_shard.device)
         if after_own is not None:  # the kernel is one op: after it is issued
             after_own()
         return out, (gathered if keep_gathered else None)
@@ -149,6 +189,7 @@ class FusedBackend(TPBackend):
     def matmul_reduce_scatter(self, x, weight_t, group, plan):
         from ...kernels.gemm_rs import gemm_rs
 
+        self.poll()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if x.shape[0] % size:
             raise ValueError(f"fused gemm_rs: {x.shape[0]} rows do not split over {size} ranks")
@@ -156,13 +197,14 @@ class FusedBackend(TPBackend):
         a = _flat(x)
         config = self._config("gemm_rs", a.shape[0], weight_t.shape[1], a.shape[1], x.dtype, group)
         slots, _flags = gemm_rs(a, weight_t, size, order, config=config, reserved_sms=self.reserved_sms)
-        return _PendingA2A(x, slots, weight_t.shape[1], group, rank, size)
+        return _PendingA2A(x, slots, weight_t.shape[1], group, rank, size, self)
 
 
 class _PendingA2A:
     """The slots of a GEMM-RS on their way to their owners; ``finish`` reduces what arrived."""
 
-    def __init__(self, x, slots, n, group, rank, size):
+    def __init__(self, x, slots, n, group, rank, size, backend: FusedBackend):
+        self.backend = backend
         self.shape = (x.shape[0] // size, *x.shape[1:-1], n)
         self.received = torch.empty_like(slots)
         self.flags = torch.zeros(size, dtype=torch.int32, device=slots.device)
@@ -185,6 +227,9 @@ class _PendingA2A:
         for send, _recv, _src, _keep in self.works:
             wait(send)
         order = [(self.rank - i) % self.size for i in range(self.size)]  # own first, then arrivals
-        out = reduce_slots(self.received, self.flags, order)
+        error = torch.zeros(1, dtype=torch.int32, device=self.received.device)
+        out = reduce_slots(self.received, self.flags, order, max_spins=self.backend.max_spins, error=error)
+        self.backend._watch(error, "reduce_slots", lambda src: f"the slot of group rank {src}", self.received.device)
+        self.backend.poll()
         return out.view(self.shape)
 
