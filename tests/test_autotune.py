@@ -95,3 +95,65 @@ def test_agreement_tensors_go_to_the_groups_device(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     assert agree.group_device(object()) == torch.device("cpu") and agreement.max([3.0]) == [3.0]
     assert reduced == [torch.device("cpu")]
+
+
+def _llama70b_args(*flags):
+    from .test_config import megatron_args
+
+    args = megatron_args("--overlap-tp", "auto", *flags, tp=8, seq=8192, heads=64, kv_heads=8)
+    args.hidden_size, args.ffn_hidden_size, args.num_layers = 8192, 28672, 80
+    args.swiglu, args.padded_vocab_size = True, 128256
+    return args
+
+
+@pytest.mark.parametrize("symm", [False, True], ids=["no-symm-mem", "symm-mem-usable"])
+def test_install_resolves_auto_once_from_the_cost_model(monkeypatch, caplog, symm):
+    """install() with Megatron's full args on a GPU the cost model knows (an H100 here, by name):
+    ``auto`` becomes the cost model's pick, said in one notice, and the installation runs that."""
+    import logging
+
+    import megatron_overlap
+    from megatron_overlap.integration import linears
+    from megatron_overlap.tune.auto import predicted_choice
+
+    monkeypatch.setattr(linears, "_cuda_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(linears, "_symm_mem_usable", lambda: symm)
+    if symm:  # the installation must be able to build the backend it picked, on this CPU
+        from megatron_overlap.tp.backends import symm_mem
+
+        monkeypatch.setattr(symm_mem, "availability", lambda *a, **k: (True, "test"))
+    args = _llama70b_args()
+    best, stock = predicted_choice(args, "NVIDIA H100 80GB HBM3", symm)
+    with caplog.at_level(logging.WARNING, logger="megatron_overlap"):
+        inst = megatron_overlap.install(args)
+    tp = inst.config.tp
+    assert tp.mode == best.strategy.name and inst.requested.tp.mode == "auto"
+    if tp.mode == "p2p":
+        assert (tp.chunks, tp.rs) == (best.strategy.chunks * 8, best.strategy.rs)
+    assert sum("the cost model picks" in r.getMessage() for r in caplog.records) == 1
+    assert megatron_overlap.install(args) is inst  # Megatron parses twice: same installation
+
+
+def test_auto_honours_an_explicit_decomposition(monkeypatch, caplog):
+    """``auto`` with ``--overlap-tp-chunks`` / ``-rs`` given: the user's values are kept and only
+    a backend that takes them (p2p), or stock, is chosen; never symm-mem, never an error about a
+    backend the user did not ask for."""
+    import logging
+
+    import megatron_overlap
+    from megatron_overlap.integration import linears
+
+    monkeypatch.setattr(linears, "_cuda_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(linears, "_symm_mem_usable", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="megatron_overlap"):
+        inst = megatron_overlap.install(_llama70b_args("--overlap-tp-chunks", "16", "--overlap-tp-rs", "a2a"))
+    tp = inst.config.tp
+    assert tp.mode in ("p2p", "off")
+    if tp.mode == "p2p":
+        assert (tp.chunks, tp.rs) == (16, "a2a")
+    assert any("kept" in r.getMessage() or "unused" in r.getMessage() for r in caplog.records)
+    megatron_overlap.uninstall()
+    # no cost model (a CPU here): the explicit values still go to p2p
+    monkeypatch.setattr(linears, "_cuda_device_name", lambda: None)
+    inst = megatron_overlap.install(_llama70b_args("--overlap-tp-bidirectional"))
+    assert inst.config.tp.mode == "p2p" and inst.config.tp.bidirectional

@@ -18,34 +18,52 @@ from . import compat
 _LINEAR_FN = "linear_with_grad_accumulation_and_async_allreduce"
 
 
-def resolve_auto(tp, args, notice):
-    """``--overlap-tp auto``, resolved once into a concrete TP section: with Megatron's full
-    ``args`` on a GPU the cost model knows, the strategy it predicts fastest (stock included);
-    else ``symm-mem`` where it runs, else ``p2p``."""
+def _cuda_device_name():
+    """The GPU the cost model is asked about (None: no CUDA device)."""
     import torch
 
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def _symm_mem_usable() -> bool:
     from ..tp.backends import symm_mem
-    from ..tp.plan import resolve_backend
+
+    return symm_mem.availability()[0]
+
+
+def resolve_auto(tp, args, notice):
+    """``--overlap-tp auto``, resolved once, at install, into a concrete TP section.
+
+    With Megatron's full ``args`` on a GPU the cost model knows: the strategy it predicts
+    fastest (stock included); elsewhere ``symm-mem`` where it runs, else ``p2p``. An explicit
+    decomposition (``--overlap-tp-chunks`` / ``-rs`` / ``-bidirectional``) is honoured: ``auto``
+    then chooses only between stock and the backend that takes it, ``p2p``, with the user's
+    values. ``--overlap-autotune`` / ``--overlap-plan`` leave the choice to their measurements
+    (``p2p``, or ``symm-mem`` where it runs)."""
+    from ..tp.plan import EXPLICIT_SHAPE, resolve_backend
     from ..tune.auto import predicted_choice
 
     if tp.mode != "auto":
         return tp
-    from ..tp.plan import EXPLICIT_SHAPE
-
-    if args is not None and not (tp.autotune or tp.plan_file or tp.given(*EXPLICIT_SHAPE)):
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-        picked = predicted_choice(args, device, symm_mem.availability()[0])
+    explicit = tp.given(*EXPLICIT_SHAPE)
+    if args is not None and not (tp.autotune or tp.plan_file):
+        size = args.tensor_model_parallel_size
+        fixed = (tp.chunks // size, tp.rs) if explicit else None
+        picked = predicted_choice(args, _cuda_device_name(), _symm_mem_usable() and not explicit, fixed)
         if picked is not None:
             best, stock = picked
+            given = f" ({', '.join(f'`{g}`' for g in explicit)} kept)" if explicit else ""
             if best.strategy.name == "megatron":
-                notice("`tp.mode` auto: the cost model predicts stock Megatron fastest here; running stock")
+                notice("`tp.mode` auto: the cost model predicts stock Megatron fastest here; running stock"
+                       + (f" ({', '.join(f'`{g}`' for g in explicit)} unused)" if explicit else ""))
                 return tp.replace(mode="off", explicit=frozenset())
             notice(f"`tp.mode` auto: the cost model picks {best.name} ({best.flags}; predicted "
-                   f"{stock.step_ms / best.step_ms:.2f}x over stock)")
+                   f"{stock.step_ms / best.step_ms:.2f}x over stock){given}")
             if best.strategy.name == "symm-mem":
                 return tp.replace(mode="symm-mem", explicit=frozenset())
-            return tp.replace(mode="p2p", chunks=best.strategy.chunks * args.tensor_model_parallel_size,
-                              rs=best.strategy.rs)
+            if explicit:
+                return tp.replace(mode="p2p")
+            return tp.replace(mode="p2p", chunks=best.strategy.chunks * size, rs=best.strategy.rs)
     return tp.replace(mode=resolve_backend(tp))
 
 

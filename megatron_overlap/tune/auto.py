@@ -20,12 +20,14 @@ def hardware_for_device(name: Optional[str]) -> Optional[str]:
     return None
 
 
-def predicted_choice(args, device: Optional[str], symm_mem_usable: bool):
+def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p2p: Optional[tuple] = None):
     """What ``--overlap-tp auto`` runs when nothing was measured: the cost model simulates the
     model in Megatron's ``args`` on this GPU for stock, ``p2p`` (every chunk count and
     reduce-scatter the planner knows) and, where it runs, ``symm-mem``, and returns the fastest
-    (a ``cost.simulate.StrategyResult`` and the stock one), or None without a known GPU or the
-    model's dimensions. ``fused`` is left out until it has run on GPUs."""
+    (a ``tune.simulate.StrategyResult`` and the stock one), or None without a known GPU or the
+    model's dimensions. ``fixed_p2p = (chunks per rank, rs)``: the user fixed the decomposition,
+    so the only candidates are stock and ``p2p`` with it. ``fused`` is left out: measured slower
+    than stock (``measured.py``)."""
     spec = hardware_for_device(device)
     needed = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_layers", "seq_length")
     if spec is None or any(getattr(args, n, None) is None for n in needed):
@@ -43,7 +45,12 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool):
     run = RunSpec(tp=args.tensor_model_parallel_size, cp=getattr(args, "context_parallel_size", 1) or 1,
                   pp=getattr(args, "pipeline_model_parallel_size", 1) or 1, seq=args.seq_length,
                   micro_batch=getattr(args, "micro_batch_size", 1) or 1)
-    allowed = [s for s in plan_candidates(run) if s.name == "megatron" or s.name == "p2p"
-               or (s.name == "symm-mem" and symm_mem_usable)]
+    if fixed_p2p is not None:
+        from .strategies import Strategy
+
+        allowed = [Strategy("megatron"), Strategy("p2p", chunks=fixed_p2p[0], rs=fixed_p2p[1])]
+    else:
+        allowed = [s for s in plan_candidates(run) if s.name == "megatron" or s.name == "p2p"
+                   or (s.name == "symm-mem" and symm_mem_usable)]
     plan = make_plan(model, run, get_hardware(spec), allowed)
     return (plan.best, plan.stock) if plan.ranked else None
