@@ -286,3 +286,35 @@ def test_demo_layout_is_one_rank_per_core_and_says_so():
 def test_demo_modes_refuse_flags_they_do_not_use(flags, words):
     out = cli("demo", *flags, timeout=120)
     assert out.returncode != 0 and words in out.stderr, out.stderr[-2000:]
+
+
+def _trace(tmp_path, name, events):
+    path = tmp_path / name
+    step = {"ph": "X", "name": "megatron_overlap::step", "pid": 1, "tid": 1, "ts": 0, "dur": 100}
+    path.write_text(json.dumps({"traceEvents": [step] + [dict(ph="X", pid=1, tid=1, **e) for e in events]}))
+    return str(path)
+
+
+def test_trace_report_says_what_is_measured(tmp_path):
+    """GPU: NCCL kernels and copy-engine copies are communication, exposed where no compute
+    kernel runs; the fused kernels count as compute (their flag waits are inside). CPU: the
+    marked waits. No marks at all: not measured, never zero."""
+    from megatron_overlap.trace.report import report, summarize
+
+    gpu = _trace(tmp_path, "rank0.iter3.gpu.json", [
+        dict(name="ampere_sgemm", cat="kernel", ts=0, dur=40),
+        dict(name="ncclDevKernel_AllGather", cat="kernel", ts=30, dur=20),  # 10 exposed
+        dict(name="Memcpy DtoD (Device -> Device)", cat="gpu_memcpy", ts=60, dur=10),  # 10 exposed
+        dict(name="ag_gemm_kernel", cat="kernel", ts=75, dur=20),
+        dict(name="Memcpy PtoP", cat="gpu_memcpy", ts=80, dur=10),  # under the fused kernel: hidden
+    ])
+    m = summarize(gpu)
+    assert m["source"] == "gpu" and m["exposed_comm_ms"] == pytest.approx(0.020) and m["comm_ms"] == pytest.approx(0.040)
+    assert m["fused_ms"] == pytest.approx(0.020)
+    cpu = _trace(tmp_path, "rank0.iter3.cpu.json", [dict(name="megatron_overlap::wait", cat="cpu_op", ts=10, dur=5),
+                                                     dict(name="aten::mm", cat="cpu_op", ts=20, dur=30)])
+    assert summarize(cpu)["source"] == "waits" and summarize(cpu)["exposed_comm_ms"] == pytest.approx(0.005)
+    none = _trace(tmp_path, "rank0.iter3.stock.json", [dict(name="aten::mm", cat="cpu_op", ts=20, dur=30)])
+    assert summarize(none)["exposed_comm_ms"] is None and summarize(none)["source"] == "none"
+    table, _png = report(str(tmp_path), png=None)
+    assert "n/a" in table and "not measured" in table and "measured gpu" in table and "lower bound" in table

@@ -1,6 +1,7 @@
 """The rank side of ``megatron-overlap bench attention`` (driver: ``cli/bench_attention.py``):
 ring attention forward + backward on random q, k, v, overlapped and with every transfer waited,
-on the emulated link."""
+on the emulated link; and the compute replay the limit is made of: the same block kernels on
+the same shapes and masks, every exchange replaced by a local copy (no communication at all)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,21 @@ class AttentionBenchRanks:
                            overlap=overlap, work=self.work if count else None)
         out.backward(self.dout)
 
+    def _timed_replay(self) -> float:
+        """The ring's compute alone: every block and merge of this rank, forward and backward, with
+        the exchanges made local copies (the blocks' positions, hence their masks, unchanged)."""
+        from ..cp import ring
+
+        real = ring.exchange
+        ring.exchange = _local_exchange
+        try:
+            dist.barrier()
+            t0 = time.perf_counter()
+            self._step(True)
+            return time.perf_counter() - t0
+        finally:
+            ring.exchange = real
+
     def _timed_free(self) -> float:
         self.link.spec = self.free
         dist.barrier()
@@ -97,8 +113,9 @@ class AttentionBenchRanks:
     def round(self, index: int) -> dict:
         if index == self.cfg.warmup:  # recalibrate once the machine is warm
             self.spec = self._spec([self._timed_free() for _ in range(2)])
-        record = {"free_s": self._timed_free()}
-        for mode in ("serial", "overlap"):
+        record = {"free_s": self._timed_free(), "replay_s": self._timed_replay()}
+        # which mode runs first alternates per round, so a drift of the machine hits both alike
+        for mode in ("serial", "overlap") if index % 2 == 0 else ("overlap", "serial"):
             self.link.spec = self.spec
             dist.barrier()
             self.link.reset()
@@ -117,3 +134,20 @@ class AttentionBenchRanks:
         parity = max(((a - b).norm() / b.norm()).item() for a, b in zip(self.grads["overlap"], self.grads["serial"]))
         return {"link": self.spec.as_dict(), "parity": parity, "block_bytes": self.block_bytes,
                 "work": {"forward": self.work.forward_elements, "backward": self.work.backward_elements}}
+
+
+class _Done:
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _local_exchange(group, *, send=None, dst=None, recv=None, src=None, tag=0):
+    """``comm.p2p.exchange`` without communication: what would arrive is this rank's own send
+    (same shape), or zeros for a receive alone (the dK/dV sums: their values do not change the
+    work)."""
+    if recv is not None:
+        recv.copy_(send) if send is not None and send.shape == recv.shape else recv.zero_()
+    return (_Done() if send is not None else None), (_Done() if recv is not None else None)

@@ -139,7 +139,10 @@ class MLPBenchRanks:
         if index < self.cfg.warmup:
             self.warm_compute.append(record["compute_s"])
         free = LinkSpec(bandwidth_GBps=1e6, latency_us=0.0)
-        for mode, spec in (("stock_free", free), ("overlap_free", free), ("stock", self.spec), ("overlap", self.spec)):
+        # which of stock and the plugin runs first alternates per round (a drifting VM hits both alike)
+        pairs = [("stock", "overlap"), ("overlap", "stock")][index % 2]
+        order = [(f"{m}_free", free) for m in pairs] + [(m, self.spec) for m in pairs]
+        for mode, spec in order:
             if mode.startswith("overlap"):
                 megatron_overlap.install(self.overlap_args)
             self.link.spec = spec

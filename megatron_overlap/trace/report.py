@@ -1,9 +1,18 @@
 """Reading traces back: spans per rank, step time and exposed communication, the report table
 and its PNG (``megatron-overlap report DIR``).
 
-Exposed communication of an iteration, per rank:
-- on CPU, the time the main thread spent blocked in the plugin's waits (union of the wait spans);
-- on a GPU, the time communication kernels (NCCL) ran while no compute kernel did.
+Exposed communication of an iteration, per rank, and where each figure comes from
+(``summarize(...)["source"]``):
+
+- ``gpu`` (measured): the time communication ran while no compute kernel did. Communication is
+  NCCL kernels and copy-engine transfers (``gpu_memcpy`` events: symm-mem's pulls, P2P copies).
+  Our fused Triton kernels spin on flags inside their own time; the profiler cannot split that
+  time, so it counts as compute and the exposure is a lower bound (the report says so);
+- ``waits`` (measured): on CPU, the time the main thread spent blocked in the waits the plugin
+  marks (its own rings and exchanges) and the emulated link marks (every transfer it delays,
+  stock Megatron's included);
+- ``none``: no wait marked and no GPU kernels: a CPU run of stock Megatron without the emulated
+  link, whose waits nothing marks. Exposure is then not measured (shown as n/a, never as 0).
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from typing import Optional
 
 from .tracer import STEP, WAIT
 
+FUSED_KERNELS = ("ag_gemm_kernel", "gemm_rs_kernel", "reduce_slots_kernel", "_push_chunk_kernel")
 COMPUTE_PREFIXES = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product",
                     "aten::gelu", "aten::silu", "aten::softmax", "aten::_softmax", "aten::layer_norm",
                     "aten::rms_norm", "aten::native_layer_norm")
@@ -72,32 +82,54 @@ def spans(path: str) -> dict:
     step = next(e for e in events if e.get("name") == STEP)
     t0, main = step["ts"], (step["pid"], step["tid"])
     rel = lambda e: [e["ts"] - t0, e["ts"] - t0 + e["dur"]]  # noqa: E731
-    out = {"step": [0.0, step["dur"]], "compute": [], "wait": [], "link": [], "gpu_compute": [], "gpu_comm": []}
+    out = {"step": [0.0, step["dur"]], "compute": [], "wait": [], "link": [], "gpu_compute": [], "gpu_comm": [],
+           "gpu_fused": []}
     for e in events:
         name, cat = e.get("name", ""), e.get("cat", "")
         if name == WAIT and (e["pid"], e["tid"]) == main:
             out["wait"].append(rel(e))
         elif name == "link transfer":
             out["link"].append(rel(e))
+        elif cat == "gpu_memcpy":
+            out["gpu_comm"].append(rel(e))  # copy engine: symm-mem's pulls and P2P copies move data
         elif cat == "kernel":
-            (out["gpu_comm"] if "nccl" in name.lower() else out["gpu_compute"]).append(rel(e))
+            if "nccl" in name.lower():
+                out["gpu_comm"].append(rel(e))
+            elif name.startswith(FUSED_KERNELS):
+                out["gpu_fused"].append(rel(e))
+            else:
+                out["gpu_compute"].append(rel(e))
         elif name.startswith(COMPUTE_PREFIXES) and (e["pid"], e["tid"]) == main:
             out["compute"].append(rel(e))
     return out
 
 
 def summarize(path: str) -> dict:
-    """Step time and exposed communication (ms) of one trace file."""
+    """Step time, compute, communication and exposed communication (ms) of one trace file, and
+    the ``source`` of the exposure (module docstring); None where a figure is not measured."""
     s = spans(path)
     step_ms = (s["step"][1] - s["step"][0]) / 1e3
-    if s["gpu_comm"]:
-        exposed = _length(_minus(s["gpu_comm"], s["gpu_compute"])) / 1e3
-        comm = _length(s["gpu_comm"]) / 1e3
+    fused_ms = _length(s["gpu_fused"]) / 1e3
+    if s["gpu_comm"] or s["gpu_compute"] or s["gpu_fused"]:
+        busy = s["gpu_compute"] + s["gpu_fused"]
+        out = {"source": "gpu", "compute_ms": _length(busy) / 1e3, "comm_ms": _length(s["gpu_comm"]) / 1e3,
+               "exposed_comm_ms": _length(_minus(s["gpu_comm"], busy)) / 1e3}
+    elif s["wait"]:
+        out = {"source": "waits", "compute_ms": _length(s["compute"]) / 1e3,
+               "comm_ms": _length(s["link"]) / 1e3 if s["link"] else None, "exposed_comm_ms": _length(s["wait"]) / 1e3}
     else:
-        exposed = _length(s["wait"]) / 1e3
-        comm = _length(s["link"]) / 1e3 if s["link"] else exposed
-    return {"step_ms": step_ms, "compute_ms": _length(s["compute"]) / 1e3, "comm_ms": comm,
-            "exposed_comm_ms": exposed}
+        out = {"source": "none", "compute_ms": _length(s["compute"]) / 1e3, "comm_ms": None, "exposed_comm_ms": None}
+    return dict(out, step_ms=step_ms, fused_ms=fused_ms)
+
+
+_LEGEND = {
+    "gpu": "measured gpu: NCCL kernels and copy-engine transfers not covered by compute kernels; our fused kernels' "
+           "flag waits are inside their kernel time and count as compute (not split): a lower bound there",
+    "waits": "measured waits: time blocked in the waits the plugin marks, and the emulated link's (which covers stock "
+             "Megatron's transfers too); comm ms is the emulated link's busy time (n/a without it)",
+    "none": "none: no wait marked and no GPU kernels (stock Megatron on CPU without the emulated link): exposure not "
+            "measured",
+}
 
 
 def report(directory: str, png: Optional[str] = None) -> tuple[str, Optional[str]]:
@@ -112,14 +144,16 @@ def report(directory: str, png: Optional[str] = None) -> tuple[str, Optional[str
     for name in files:
         rank_part, rest = name.split(".", 1)
         groups.setdefault(rest[: -len(".json")], []).append((int(rank_part[4:]), os.path.join(directory, name)))
-    lines = [f"{'trace':24}{'rank':>5}{'step ms':>10}{'compute ms':>12}{'comm ms':>10}{'exposed ms':>12}"]
-    panels = []
+    lines = [f"{'trace':24}{'rank':>5}{'step ms':>10}{'compute ms':>12}{'comm ms':>10}{'exposed ms':>12}  measured"]
+    panels, sources = [], set()
+    fmt = lambda v: f"{v:.1f}" if v is not None else "n/a"  # noqa: E731
     for key in sorted(groups):
         rows, width = [], 0.0
         for rank, path in sorted(groups[key]):
             s, m = spans(path), summarize(path)
-            lines.append(f"{key:24}{rank:>5}{m['step_ms']:>10.1f}{m['compute_ms']:>12.1f}{m['comm_ms']:>10.1f}"
-                         f"{m['exposed_comm_ms']:>12.1f}")
+            sources.add(m["source"])
+            lines.append(f"{key:24}{rank:>5}{m['step_ms']:>10.1f}{m['compute_ms']:>12.1f}{fmt(m['comm_ms']):>10}"
+                         f"{fmt(m['exposed_comm_ms']):>12}  {m['source']}")
             width = max(width, s["step"][1] / 1e3)
             ms = lambda iv: [(a / 1e3, b / 1e3) for a, b in _union(iv)]  # noqa: E731
             rows.append((f"rank {rank} compute", "compute", ms(s["gpu_compute"] or s["compute"])))
@@ -127,6 +161,8 @@ def report(directory: str, png: Optional[str] = None) -> tuple[str, Optional[str
             if s["link"] or s["gpu_comm"]:
                 rows.append((f"rank {rank} link", "link", ms(s["link"] or s["gpu_comm"])))
         panels.append(timeline.Panel(key, width, rows))
+    lines.append("")
+    lines += [_LEGEND[src] for src in ("gpu", "waits", "none") if src in sources]
     table = "\n".join(lines)
     written = None
     if png:

@@ -87,7 +87,8 @@ class StepTracer:
 
         add_link_track(path, link_spans)
         summary = summarize(path)
-        logger.warning("megatron-overlap: rank %d iteration %d%s: step %.1f ms, exposed communication %.1f ms",
-                       self.rank, iteration, f" ({self.label})" if self.label else "",
-                       summary["step_ms"], summary["exposed_comm_ms"])
+        exposed = summary["exposed_comm_ms"]
+        logger.warning("megatron-overlap: rank %d iteration %d%s: step %.1f ms, exposed communication %s (%s)",
+                       self.rank, iteration, f" ({self.label})" if self.label else "", summary["step_ms"],
+                       "not measured" if exposed is None else f"{exposed:.1f} ms", summary["source"])
         self.written.append(path)
