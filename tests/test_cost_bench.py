@@ -26,24 +26,31 @@ def rates():
     return json.loads((DATA / "cpu_gemm_rates.json").read_text())
 
 
-def test_predicts_stock_and_overlap_within_20_percent(result, rates):
+# BENCHMARKS.md claims the model within 5% of this run's step times (with the GEMM rates measured
+# right after it) and within 4% of every variant's speedup: the tests hold it to those claims.
+CLAIMED_STEP = 0.05
+CLAIMED_SPEEDUP = 0.04
+
+
+def test_predicts_stock_and_overlap_within_the_claimed_5_percent(result, rates):
     p = predict_mlp_bench(result, rates)
     for mode in ("stock", "overlap"):
         measured = result[mode]["step_ms"]
-        assert abs(p[f"{mode}_ms"] / measured - 1) < 0.20, (mode, p[f"{mode}_ms"], measured)
+        assert abs(p[f"{mode}_ms"] / measured - 1) < CLAIMED_STEP, (mode, p[f"{mode}_ms"], measured)
     # the link carries what the bench counted (same bytes, same emulated link)
     assert p["stock_comm_ms"] == pytest.approx(result["stock"]["comm_ms"], rel=0.02)
     # stock leaves most of its communication exposed, the plugin little of it
     assert p["stock_exposed_comm_ms"] > 0.5 * p["stock_comm_ms"]
     assert p["overlap_exposed_comm_ms"] < 0.25 * p["overlap_comm_ms"]
     measured_speedup = result["stock"]["step_ms"] / result["overlap"]["step_ms"]
-    assert p["stock_ms"] / p["overlap_ms"] == pytest.approx(measured_speedup, rel=0.2)
+    assert p["stock_ms"] / p["overlap_ms"] == pytest.approx(measured_speedup, rel=CLAIMED_SPEEDUP)
 
 
 def test_without_the_rate_table_too(result):
+    """From the datasheet-style curve alone (no measured rates): within 6% (BENCHMARKS.md)."""
     p = predict_mlp_bench(result)
     for mode in ("stock", "overlap"):
-        assert abs(p[f"{mode}_ms"] / result[mode]["step_ms"] - 1) < 0.20
+        assert abs(p[f"{mode}_ms"] / result[mode]["step_ms"] - 1) < 0.06
 
 
 def test_the_forward_is_link_bound_and_the_row_wgrad_waits(result, rates):
@@ -86,5 +93,4 @@ def test_speedup_of_each_published_variant(result, rates, variant):
     run["config"].update(changes)
     run["link"]["bandwidth_GBps"] /= ratio  # the link was calibrated to ratio x compute
     p = predict_mlp_bench(run, rates)
-    # the variants' own spread is about +-0.03 in x-limit (BENCHMARKS.md), ~3% of the speedup
-    assert p["stock_ms"] / p["overlap_ms"] == pytest.approx(stock_ms / overlap_ms, rel=0.10)
+    assert p["stock_ms"] / p["overlap_ms"] == pytest.approx(stock_ms / overlap_ms, rel=CLAIMED_SPEEDUP)
