@@ -13,6 +13,7 @@ import argparse
 from .cp import CP_MODES
 from .errors import OverlapConfigError
 from .hdp import MODES as HDP_MODES
+from .pp import MODES as PP_MODES
 from .tp import RS_ALGOS, TP_MODES, check_chunks
 
 
@@ -88,6 +89,22 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         choices=HDP_MODES, default=None,
         help="dp (default): balance each rank's total work per step; pp: sequences of similar length share a "
         "micro-batch index on every rank (scheduler only so far: the runtime refuses PP > 1).")),
+    ("--overlap-pp", "pp.mode", dict(
+        choices=PP_MODES, default="off",
+        help="Pipeline schedule for --pipeline-model-parallel-size > 1 (non-interleaved). 1f1b: Megatron's order "
+        "with every stage-to-stage transfer posted early and waited just before use; zb: zero bubble, each "
+        "backward split into its input gradient (B) and its weight gradients (W, run where the stage would "
+        "wait; ZB-H1's memory); auto: zb where the weight gradients can be deferred, else 1f1b. off: Megatron's "
+        "1F1B.")),
+    ("--overlap-pp-max-inflight", "pp.max_inflight", dict(
+        type=int, default=None, metavar="K",
+        help="Micro-batches forwarded by the first stage before its first backward, K in [PP size, number of "
+        "micro-batches] (default: PP size, as 1F1B). More in flight give transfers more compute to hide behind "
+        "and cost activation memory.")),
+    ("--overlap-pp-memory-budget", "pp.memory_budget_gb", dict(
+        type=float, default=None, metavar="GB",
+        help="Activation memory per stage in GB; sets --overlap-pp-max-inflight to the most micro-batches that "
+        "fit (estimated from the model shape).")),
 )
 
 FLAGS = tuple(flag for flag, _field, _kw in _FLAGS)

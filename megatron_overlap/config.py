@@ -20,6 +20,7 @@ from .args import flag_for
 from .cp import CP_MODES
 from .errors import OverlapConfigError
 from .hdp import MODES as HDP_MODES
+from .pp import MODES as PP_MODES
 from .tp import RS_ALGOS, TP_MODES, check_chunks
 
 
@@ -181,6 +182,59 @@ class HDPConfig(_Section):
 
 
 @dataclass(frozen=True)
+class PPConfig(_Section):
+    """The pipeline schedule (``pp``)."""
+
+    mode: str = "off"
+    """``off`` (Megatron's 1F1B), ``1f1b`` (same order, transfers asynchronous), ``zb`` (backward
+    split into B and W, ZB-H1), ``auto`` (``zb`` where W can be deferred, else ``1f1b``)."""
+
+    max_inflight: Optional[int] = None
+    """Micro-batches the first stage forwards before its first backward (None: the PP size)."""
+
+    memory_budget_gb: Optional[float] = None
+    """Activation memory per stage; sets ``max_inflight`` to what fits."""
+
+    explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.mode not in PP_MODES:
+            raise OverlapConfigError("pp.mode", f"unknown mode {self.mode!r}; choose one of {', '.join(PP_MODES)}")
+        given = [f"pp.{n}" for n in ("max_inflight", "memory_budget_gb") if n in self.explicit]
+        if self.mode == "off" and given:
+            raise OverlapConfigError(given[0], f"{_refs(given)} only apply to `pp.mode` 1f1b, zb or auto; add one, or "
+                                     f"drop {'them' if len(given) > 1 else 'it'}")
+        if len(given) == 2:
+            raise OverlapConfigError("pp.memory_budget_gb", "and `pp.max_inflight` both set the micro-batches in "
+                                     "flight; pass one of them")
+        if self.max_inflight is not None and not (_positive_int(self.max_inflight) and self.max_inflight >= 2):
+            raise OverlapConfigError("pp.max_inflight", f"must be a whole number >= 2 (at least the PP size), got "
+                                     f"{self.max_inflight!r}")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise OverlapConfigError("pp.memory_budget_gb", f"must be a positive number of GB, got "
+                                     f"{self.memory_budget_gb!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def split(self) -> bool:
+        """Whether the backward is split into B and W (``auto`` is resolved at install)."""
+        return self.mode == "zb"
+
+    def flags(self) -> list:
+        if not self.enabled:
+            return []
+        out = [flag_for("pp.mode"), self.mode]
+        if self.max_inflight is not None:
+            out += [flag_for("pp.max_inflight"), str(self.max_inflight)]
+        if self.memory_budget_gb is not None:
+            out += [flag_for("pp.memory_budget_gb"), f"{self.memory_budget_gb:g}"]
+        return out
+
+
+@dataclass(frozen=True)
 class TraceConfig(_Section):
     """Per-rank Chrome traces of chosen iterations."""
 
@@ -213,6 +267,7 @@ class OverlapConfig:
     tp: TPConfig = TPConfig()
     cp: CPConfig = CPConfig()
     hdp: HDPConfig = HDPConfig()
+    pp: PPConfig = PPConfig()
     trace: TraceConfig = TraceConfig()
 
     def __post_init__(self):
@@ -224,12 +279,12 @@ class OverlapConfig:
     @property
     def stock(self) -> bool:
         """Nothing asked of the plugin: no patch, no check."""
-        return not (self.tp.enabled or self.cp.enabled or self.hdp.enabled or self.trace.enabled)
+        return not (self.tp.enabled or self.cp.enabled or self.hdp.enabled or self.pp.enabled or self.trace.enabled)
 
     def as_flags(self) -> list:
         """The command-line flags that reproduce this config."""
-        return ([flag_for("tp.mode"), self.tp.mode] + self.hdp.flags() + self.cp.flags() + self.trace.flags()
-                + self.tp.flags())
+        return ([flag_for("tp.mode"), self.tp.mode] + self.hdp.flags() + self.cp.flags() + self.pp.flags()
+                + self.trace.flags() + self.tp.flags())
 
     def replace(self, **sections) -> "OverlapConfig":
         return dataclasses.replace(self, **sections)
@@ -253,8 +308,13 @@ class OverlapConfig:
                         mode=get("hdp_mode") or "dp",
                         explicit=frozenset(n for n, dest in (("max_tokens", "hdp_max_tokens_per_rank"),
                                                              ("mode", "hdp_mode")) if get(dest) is not None))
+        pp = PPConfig(mode=get("overlap_pp") or "off", max_inflight=get("overlap_pp_max_inflight"),
+                      memory_budget_gb=get("overlap_pp_memory_budget"),
+                      explicit=frozenset(n for n, dest in (("max_inflight", "overlap_pp_max_inflight"),
+                                                           ("memory_budget_gb", "overlap_pp_memory_budget"))
+                                         if get(dest) is not None))
         return cls(tp=tp, cp=CPConfig(mode=get("overlap_cp") or "off", a2a_size=get("overlap_cp_a2a_size")),
-                   hdp=hdp, trace=_trace_from_args(get("overlap_trace"), get("overlap_trace_iters")))
+                   hdp=hdp, pp=pp, trace=_trace_from_args(get("overlap_trace"), get("overlap_trace_iters")))
 
 
 def _trace_from_args(directory, iterations) -> TraceConfig:
@@ -294,6 +354,8 @@ class ModelContext:
     kv_heads: Optional[int] = None
     packed: bool = False  # variable-length packed batches (THD): lengths checked per batch
     pp_size: Optional[int] = None
+    virtual_pp_size: Optional[int] = None
+    megatron_pp_flags: tuple = ()  # Megatron's own pipeline-overlap flags that are on
 
     @classmethod
     def from_megatron_args(cls, args: argparse.Namespace) -> "ModelContext":
@@ -310,4 +372,14 @@ class ModelContext:
             kv_heads=get("num_query_groups") if get("group_query_attention") else get("num_attention_heads"),
             packed=bool(get("reset_attention_mask")),
             pp_size=get("pipeline_model_parallel_size"),
+            virtual_pp_size=get("virtual_pipeline_model_parallel_size") or (
+                "set" if get("num_layers_per_virtual_pipeline_stage") else None),
+            megatron_pp_flags=tuple(name for name in MEGATRON_PP_FLAGS if get(name)),
         )
+
+
+# Megatron's own pipeline-overlap options that change the schedules --overlap-pp replaces
+# (--overlap-p2p-communication-warmup-flush, --delay-wgrad-compute). Its
+# --overlap-p2p-communication is on by default and only acts on interleaved schedules (Megatron
+# turns it off for the others), so it is no conflict.
+MEGATRON_PP_FLAGS = ("overlap_p2p_comm_warmup_flush", "delay_wgrad_compute")

@@ -40,6 +40,9 @@ def test_flag_set_is_pinned():
         "--hdp",
         "--hdp-max-tokens-per-rank",
         "--hdp-mode",
+        "--overlap-pp",
+        "--overlap-pp-max-inflight",
+        "--overlap-pp-memory-budget",
     }
 
 
@@ -123,8 +126,10 @@ def test_pieces_cover_the_shard_exactly():
 
 # --------------------------------------------------------------------------- bad input
 def megatron_args(*flags, tp=4, sp=True, impl="local", tp_comm_overlap=False, seq=64, cp=1, pp=1,
-                  heads=8, kv_heads=2):
+                  heads=8, kv_heads=2, **megatron):
     args = parse(*flags)
+    for name, value in megatron.items():
+        setattr(args, name, value)
     args.context_parallel_size = cp
     args.pipeline_model_parallel_size = pp
     args.num_attention_heads = heads
@@ -180,6 +185,24 @@ def parser_error(capsys, *flags) -> str:
         (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, pp=2), "--hdp", "--hdp-mode pp is the pipeline mode"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp"], dict(tp=1, pp=2), "--hdp", "does not drive Megatron's pipeline"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=2), "--hdp", "Use TP 1 with --hdp"),
+        (["--overlap-pp", "1f1b"], dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=2), "--overlap-pp",
+         "non-interleaved pipelines"),
+        (["--overlap-pp", "1f1b"], dict(tp=1, pp=2, num_layers_per_virtual_pipeline_stage=1), "--overlap-pp",
+         "--num-layers-per-virtual-pipeline-stage"),
+        (["--overlap-pp", "zb"], dict(tp=1, pp=2, delay_wgrad_compute=True), "--delay-wgrad-compute",
+         "choose one of the two"),
+        (["--overlap-pp", "1f1b"], dict(tp=1, pp=2, overlap_p2p_comm_warmup_flush=True),
+         "--overlap-p2p-comm-warmup-flush", "which --overlap-pp 1f1b replaces"),
+        (["--overlap-pp", "zb"], dict(tp=1, pp=2, impl="transformer_engine"), "--overlap-pp",
+         "has not been tested, so it is refused"),
+        (["--overlap-pp", "zb"], dict(tp=2, pp=2), "--overlap-pp", "add --overlap-tp p2p"),
+        (["--overlap-pp", "1f1b", "--overlap-pp-max-inflight", "2"], dict(tp=1, pp=4), "--overlap-pp-max-inflight",
+         "below the 4 pipeline stages"),
+        (["--overlap-pp-max-inflight", "4"], dict(tp=1, pp=2), "--overlap-pp-max-inflight", "only apply to --overlap-pp"),
+        (["--overlap-pp", "zb", "--overlap-pp-max-inflight", "4", "--overlap-pp-memory-budget", "8"], dict(tp=1, pp=2),
+         "--overlap-pp-memory-budget", "pass one of them"),
+        (["--overlap-pp", "zb", "--overlap-pp-memory-budget", "-1"], dict(tp=1, pp=2), "--overlap-pp-memory-budget",
+         "positive number of GB"),
     ],
     ids=[
         "overlap-without-sp",
@@ -214,6 +237,16 @@ def parser_error(capsys, *flags) -> str:
         "hdp-dp-mode-with-pp",
         "hdp-pp-mode-with-pp",
         "hdp-with-tp",
+        "pp-interleaved",
+        "pp-interleaved-by-layers",
+        "pp-with-megatron-delay-wgrad",
+        "pp-with-megatron-warmup-flush",
+        "pp-zb-with-te",
+        "pp-zb-tp-without-overlap",
+        "pp-inflight-below-stages",
+        "pp-inflight-without-pp",
+        "pp-budget-and-inflight",
+        "pp-negative-budget",
     ],
 )
 def test_invalid_configurations_name_the_flag(flags, kwargs, flag, words):
@@ -265,3 +298,38 @@ def test_overlap_off_needs_no_megatron(monkeypatch):
 
     monkeypatch.setattr(compat, "megatron_core_version", lambda: None)
     assert not megatron_overlap.install(parse()).config.tp.enabled  # no MegatronVersionError
+
+
+def test_pp_flags_with_pp_1_are_a_notice_and_stock_runs(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="megatron_overlap"):
+        inst = megatron_overlap.install(megatron_args("--overlap-pp", "zb", tp=1, pp=1))
+    assert not megatron_overlap.is_installed() and not inst.patched
+    assert "no pipeline to schedule with --pipeline-model-parallel-size 1" in caplog.text
+
+
+def test_pp_auto_resolves_to_what_can_run(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="megatron_overlap"):
+        inst = megatron_overlap.install(megatron_args("--overlap-pp", "auto", tp=1, pp=2))
+        assert inst.config.pp.mode == "zb" and inst.requested.pp.mode == "auto"
+        megatron_overlap.uninstall()
+        inst = megatron_overlap.install(megatron_args("--overlap-pp", "auto", tp=1, pp=2, impl="transformer_engine"))
+        assert inst.config.pp.mode == "1f1b"
+    assert "--overlap-pp auto: zb" in caplog.text and "--overlap-pp auto: 1f1b (no B/W split" in caplog.text
+
+
+def test_memory_budget_below_one_or_p_microbatches_is_refused():
+    from megatron_overlap.pp.memory import inflight_for_budget, layer_activation_bytes
+
+    per = 4 * layer_activation_bytes(seq=4096, micro_batch=1, hidden=8192, heads=64, tp=8)  # 4 layers
+    # 4096 x 8192 x (34 + 5 x 64 x 4096 / 8192) / 8 bytes per layer: 0.81 GB, 3.25 GB for 4
+    assert per == pytest.approx(4 * 4096 * 8192 * (34 + 160) / 8)
+    assert inflight_for_budget(50.0, 4, 16, per) == 15
+    assert inflight_for_budget(100.0, 4, 16, per) == 16  # no more than there are
+    with pytest.raises(OverlapConfigError, match="^--overlap-pp-memory-budget: is 1 GB, below one micro-batch"):
+        inflight_for_budget(1.0, 4, 16, per)
+    with pytest.raises(OverlapConfigError, match="3 micro-batch.*holds 4 on its first stage even in 1F1B"):
+        inflight_for_budget(10.0, 4, 16, per)

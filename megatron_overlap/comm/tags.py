@@ -24,6 +24,7 @@ STREAMS = (
     "cp.a2a",                  # cp.a2a: sequence <-> head all-to-all, forward
     "cp.a2a_grad_out",         # cp.a2a: its backward, head -> sequence
     "cp.a2a_grad_in",          # cp.a2a: its backward, sequence -> head
+    "pp.stage",                # integration.schedules: activations and gradients between stages
 )
 assert (len(STREAMS) + 1) * STREAM_SIZE <= 1 << 23
 

@@ -7,8 +7,10 @@
 | ``transformer.dot_product_attention.DotProductAttention.__init__`` / ``.forward`` | ``attention.py`` (``--overlap-cp``, ``--hdp`` -> ``cp``) | Megatron's local attention supports CP |
 | ``distributed.param_and_grad_buffer._ParamAndGradBucketGroup.register_grad_ready`` | ``ddp.py`` (TP overlap: a parameter is ready once its held-back wgrad GEMM ran) | Megatron's DDP learns of wgrads computed after the backward hook |
 | ``megatron.training.training.train_step``                       | ``training.py`` (``--overlap-trace``) | Megatron-LM's loop takes a profiler hook |
+| ``pipeline_parallel.get_forward_backward_func`` (also in ``pipeline_parallel.schedules`` and ``megatron.training.training``, which bind it by name) | ``schedules.py`` (``--overlap-pp`` -> ``pp``) | Megatron takes a pluggable pipeline schedule |
 
-``ColumnParallelLinear._forward_impl`` looks the module-level function up at call time, so
+The linears' function is also patched, without TP overlap, under ``--overlap-pp zb`` at TP = 1 (weight
+gradients deferred to W). ``ColumnParallelLinear._forward_impl`` looks the module-level function up at call time, so
 replacing it there reaches every Column layer. RowParallelLinear runs its GEMM and its
 reduce-scatter in two calls, so fusing them needs its ``forward``. The classes themselves are
 never replaced (layer specs import them by name).
@@ -29,6 +31,7 @@ from ..config import ModelContext, OverlapConfig
 from ..cp.checks import check_cp_model
 from ..cp.ring import RingOptions
 from ..hdp.checks import check_hdp_model
+from ..pp.checks import check_pp_model, pp_schedule_applies
 from ..tp.checks import check_tp_model, tp_overlap_applies
 from . import compat
 
@@ -44,6 +47,7 @@ PATCH_POINTS = (
     ("megatron.core.transformer.dot_product_attention", "DotProductAttention.forward"),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.register_grad_ready"),
     ("megatron.training.training", "train_step"),
+    ("megatron.core.pipeline_parallel.schedules", "get_forward_backward_func"),
 )
 
 
@@ -79,6 +83,7 @@ class Installation:
         self.context = context
         self.ring_options = ring_options or RingOptions()
         self.tp = None  # tp.plan.TPPlanner while TP overlap runs
+        self.tp_overlap = False  # whether the linears run TP overlap
         self.wgrad = None  # tp.wgrad_store.WgradStore while TP overlap runs
         self.prefetch = PrefetchRegistry()
         self.checked: set = set()
@@ -160,6 +165,7 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
     check_tp_model(config.tp, context)
     check_hdp_model(config.hdp, context)
     check_cp_model(config.cp, context)
+    check_pp_model(config.pp, config.tp, context)
 
     current = find_installation()
     if current is not None:
@@ -171,18 +177,32 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
         notice(f"`tp.mode` {config.tp.mode} has nothing to overlap with tensor-parallel size 1; running stock "
                "Megatron")
     cp_on = (config.cp.enabled and (context.cp_size is None or context.cp_size > 1)) or config.hdp.enabled
-    if not tp_on and not config.trace.enabled and not cp_on:
+    pp_on = pp_schedule_applies(config.pp, context)
+    if config.pp.enabled and not pp_on:
+        notice(f"`pp.mode` {config.pp.mode} has no pipeline to schedule with `megatron.pipeline_model_parallel_size` "
+               "1; Megatron's schedule runs")
+    if not tp_on and not config.trace.enabled and not cp_on and not pp_on:
         return Installation(config, context)
 
-    from . import attention, linears, training
+    from . import attention, linears, schedules, training
+    from ..pp.checks import resolve_auto as resolve_pp
 
     requested = config
     if tp_on:
         config = config.replace(tp=linears.resolve_auto(config.tp, args_or_config if full_args else None, notice))
+    config = config.replace(pp=resolve_pp(config.pp, config.tp, context, notice) if pp_on else
+                            config.pp.replace(mode="off", explicit=frozenset()))
     inst = Installation(config, context, requested, ring_options)
-    if config.tp.enabled and tp_on:
-        linears.patch(inst)
-    attention.patch(inst, forward=cp_on)
-    if config.trace.enabled:
-        training.patch_train_step(inst)
+    inst.tp_overlap = config.tp.enabled and tp_on
+    try:
+        if inst.tp_overlap or config.pp.split:
+            linears.patch(inst)
+        if pp_on:
+            schedules.patch(inst)
+        attention.patch(inst, forward=cp_on)
+        if config.trace.enabled:
+            training.patch_train_step(inst)
+    except BaseException:
+        inst.uninstall()  # nothing half-installed
+        raise
     return inst

@@ -11,7 +11,7 @@ import functools
 
 from ..config import ModelContext
 from ..tp.checks import check_tp_model
-from ..tp.linear import ColumnParallelSP, RowParallelSP, TPComm, WgradOptions
+from ..tp.linear import ColumnParallelSP, DeferredWgradLinear, RowParallelSP, TPComm, WgradOptions
 from ..tp.plan import TPPlanner, tokens_per_row
 from . import compat
 
@@ -68,12 +68,24 @@ def resolve_auto(tp, args, notice):
 
 
 def patch(inst) -> None:
-    """Patch both linears for ``inst`` (its config's TP section is concrete)."""
+    """Patch both linears for ``inst``: TP overlap when its TP section is on (concrete by now),
+    and, under a split pipeline schedule, the weight gradients of TP = 1 linears deferred to W."""
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel import layers
 
     from ..tp.backends import make_backend
+    from ..tp.wgrad_store import WgradStore
+    from . import ddp
 
+    inst.wgrad = WgradStore()
+    ddp.patch(inst)
+    original = layers.__dict__[_LINEAR_FN]
+    column = _column_linear(inst, original)
+    inst.set_attr(layers, _LINEAR_FN, column)
+    if getattr(tensor_parallel, _LINEAR_FN, None) is original:
+        inst.set_attr(tensor_parallel, _LINEAR_FN, column)
+    if not inst.tp_overlap:
+        return
     if compat.transformer_engine_version() is not None:
         inst.notice_once("te-linears", "Transformer Engine is installed: megatron-overlap patches Megatron's local "
                          "ColumnParallelLinear/RowParallelLinear only (`megatron.transformer_impl` local); TE's linears are "
@@ -85,16 +97,6 @@ def patch(inst) -> None:
         plans = load_plan_file(inst.config.tp.plan_file) if inst.config.tp.plan_file else None
         tuner = PlanTuner(inst.config.tp.autotune, plans)
     inst.tp = TPPlanner(inst.config.tp, make_backend(inst.config.tp.mode), tuner)
-    from ..tp.wgrad_store import WgradStore
-    from . import ddp
-
-    inst.wgrad = WgradStore()
-    ddp.patch(inst)
-    original = layers.__dict__[_LINEAR_FN]
-    column = _column_linear(inst, original)
-    inst.set_attr(layers, _LINEAR_FN, column)
-    if getattr(tensor_parallel, _LINEAR_FN, None) is original:
-        inst.set_attr(tensor_parallel, _LINEAR_FN, column)
     inst.set_attr(layers.RowParallelLinear, "forward", _row_forward(inst, layers.RowParallelLinear.__dict__["forward"]))
     inst.notice_once("tp-on", f"TP overlap on ({inst.tp.backend.name}): {' '.join(inst.config.as_flags())}")
 
@@ -122,9 +124,12 @@ def _column_linear(inst, original):
             # Only a Column layer with TP > 1 and sequence parallelism off asks for this.
             size = compat.default_tp_group(call.tp_group).size()
             check_tp_model(inst.config.tp, ModelContext(tp_size=size, sequence_parallel=False))
-        if not call.sequence_parallel:
-            return original(*args, **kwargs)
         group = compat.default_tp_group(call.tp_group)
+        if inst.config.pp.split and (group is None or group.size() == 1) and call.grad_output_buffer is None:
+            wgrad = WgradOptions(call.gradient_accumulation_fusion)
+            return DeferredWgradLinear.apply(call.input, call.weight, call.bias, wgrad, inst.wgrad)
+        if not call.sequence_parallel or not inst.tp_overlap:
+            return original(*args, **kwargs)
         if group is None or group.size() == 1:
             inst.notice_once("tp1", "tensor-parallel size 1: nothing to overlap, stock path")
             return original(*args, **kwargs)

@@ -73,6 +73,15 @@ def apply(enable_grad_accum_fusion: bool = True) -> None:
     _tensor = torch.tensor
     torch.tensor = lambda *a, pin_memory=False, **k: _tensor(*a, **k)
     torch.Tensor.cuda = lambda self, *a, **k: self
+    # Megatron's pipeline schedules count tokens in torch.zeros(..., device="cuda").
+    _zeros = torch.zeros
+
+    def zeros(*a, **k):
+        if str(k.get("device", "")).startswith("cuda"):
+            k["device"] = "cpu"
+        return _zeros(*a, **k)
+
+    torch.zeros = zeros
 
     from megatron.core.tensor_parallel import random as mrandom
 

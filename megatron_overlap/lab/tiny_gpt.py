@@ -43,20 +43,22 @@ def _state_names(parallel_state) -> list:
     return [n for n in vars(parallel_state) if n.startswith("_") and n[1:2].isupper()]
 
 
-def init_parallel(tp: int, seed: int = 1234, cp: int = 1) -> None:
-    """(Re)initialise Megatron's parallel state with TP=tp, CP=cp, DP=world/(tp*cp), and seed
-    its RNGs. A layout seen before in this process gets its groups back instead of new ones."""
+def init_parallel(tp: int, seed: int = 1234, cp: int = 1, pp: int = 1) -> None:
+    """(Re)initialise Megatron's parallel state with TP=tp, CP=cp, PP=pp, DP=world/(tp*cp*pp),
+    and seed its RNGs. A layout seen before in this process gets its groups back instead of new
+    ones."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    key = (tp, cp, dist.get_world_size())
+    key = (tp, cp, pp, dist.get_world_size())
     if key in _LAYOUTS:
         for name, value in _LAYOUTS[key].items():
             setattr(parallel_state, name, value)
     else:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                                 pipeline_model_parallel_size=pp)
         _LAYOUTS[key] = {name: getattr(parallel_state, name) for name in _state_names(parallel_state)}
     model_parallel_cuda_manual_seed(seed)
 
@@ -108,16 +110,19 @@ def transformer_config(spec: TinyGPT, tp: int, sequence_parallel: bool = True, *
 
 
 def build(spec: TinyGPT, tp: int, sequence_parallel: bool = True, **config_overrides):
-    """A GPTModel on the local spec (Megatron's own Column/RowParallelLinear)."""
+    """A GPTModel on the local spec (Megatron's own Column/RowParallelLinear); with
+    ``pipeline_model_parallel_size`` > 1 in the overrides, this rank's stage of it."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     config = transformer_config(spec, tp, sequence_parallel, **config_overrides)
+    pp = config.pipeline_model_parallel_size
     layer = get_gpt_layer_local_spec(normalization=spec.normalization)
     layer.submodules.input_layernorm = _SPNorm
     layer.submodules.pre_mlp_layernorm = _SPNorm
-    block = TransformerBlockSubmodules(layer_specs=[layer] * spec.num_layers, layer_norm=_SPNorm)
+    block = TransformerBlockSubmodules(layer_specs=[layer] * (spec.num_layers // pp), layer_norm=_SPNorm)
     return GPTModel(
         config=config,
         transformer_layer_spec=block,
@@ -125,6 +130,8 @@ def build(spec: TinyGPT, tp: int, sequence_parallel: bool = True, **config_overr
         max_sequence_length=spec.seq,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
+        pre_process=parallel_state.is_pipeline_first_stage() if pp > 1 else True,
+        post_process=parallel_state.is_pipeline_last_stage() if pp > 1 else True,
     )
 
 

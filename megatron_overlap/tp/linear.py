@@ -235,3 +235,35 @@ class RowParallelSP(torch.autograd.Function):
         grad_2d, input_2d = as_2d(gathered, input)
         grad_weight = _wgrad(weight, grad_2d, input_2d, wgrad, input, comm)
         return grad_input, grad_weight, None, None
+
+
+class DeferredWgradLinear(torch.autograd.Function):
+    """A linear with no tensor parallelism (TP = 1, Megatron's own math) whose weight-gradient
+    GEMM can wait in ``store`` for a split pipeline schedule's W (``--overlap-pp zb``)."""
+
+    @staticmethod
+    @_custom_fwd
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                wgrad: WgradOptions, store: WgradStore) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        ctx.main_grad = weight.main_grad if wgrad.accumulation_fusion and hasattr(weight, "main_grad") else None
+        ctx.use_bias = bias is not None
+        ctx.wgrad, ctx.store = wgrad, store
+        output = torch.matmul(input, weight.t())
+        return output + bias if bias is not None else output
+
+    @staticmethod
+    @_custom_bwd
+    def backward(ctx, grad_output: torch.Tensor):
+        input, weight = ctx.saved_tensors
+        wgrad = ctx.wgrad
+        if wgrad.accumulation_fusion:
+            weight.main_grad = ctx.main_grad
+        grad_input = grad_output.matmul(weight)
+        grad_2d, input_2d = as_2d(grad_output, input)
+        if deferrable(weight, wgrad.accumulation_fusion):
+            grad_weight = deferred_weight_gradient(weight, grad_2d, input_2d, input, ctx.store)
+        else:
+            grad_weight = weight_gradient(weight, grad_2d, input_2d, wgrad.accumulation_fusion, input)
+        grad_bias = grad_2d.sum(dim=0) if ctx.use_bias else None
+        return grad_input, grad_weight, grad_bias, None, None

@@ -17,6 +17,10 @@ made the tiny GPT's step 5-10% slower than this fixed order, BENCHMARKS.md).
 - when more than ``limit`` tasks are held (each keeps its two inputs: memory stays bounded);
 - at the end of the backward pass (``drain``, queued on autograd's engine), always.
 
+Under a split pipeline schedule (``--overlap-pp zb``) the executor wraps each micro-batch's B in
+:meth:`hold_for`: what is pushed there is kept for that micro-batch's W
+(:meth:`run_microbatch`) and none of the points above runs it.
+
 Numerics are untouched: the same GEMM on the same tensors into the same ``main_grad``, only
 later. Megatron DDP must not see the parameter as ready before its task ran: the integration
 layer defers its ``register_grad_ready`` through :meth:`after` (``integration/ddp.py``). Tasks
@@ -27,6 +31,7 @@ DDP parameter); elsewhere the wgrad runs in place, as before.
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -41,6 +46,8 @@ class WgradStore:
         self._pushed = 0
         self._after: dict = {}  # id(param) -> callbacks once its last task ran
         self._drain_queued = False
+        self._microbatch: Optional[int] = None  # the B being held for its W (``hold_for``)
+        self._held: dict = {}  # micro-batch -> [(param, fn)], for its W
         self.ran = 0  # tasks run so far (tests count them)
 
     def __len__(self) -> int:
@@ -48,6 +55,9 @@ class WgradStore:
 
     def push(self, param: torch.Tensor, fn: Callable[[], None]) -> None:
         """Keep ``fn`` (the wgrad of ``param``) for later. Call from inside a backward pass."""
+        if self._microbatch is not None:
+            self._held.setdefault(self._microbatch, []).append((param, fn))
+            return
         self._tasks.append((self._pushed, param, fn))
         self._pushed += 1
         if not self._drain_queued:
@@ -70,7 +80,31 @@ class WgradStore:
         self.run()
 
     def pending(self, param: torch.Tensor) -> bool:
-        return any(p is param for _seq, p, _fn in self._tasks)
+        return any(p is param for _seq, p, _fn in self._tasks) or any(
+            p is param for tasks in self._held.values() for p, _fn in tasks)
+
+    @contextlib.contextmanager
+    def hold_for(self, microbatch: int):
+        """Everything pushed inside waits for ``run_microbatch(microbatch)``."""
+        previous, self._microbatch = self._microbatch, microbatch
+        try:
+            yield
+        finally:
+            self._microbatch = previous
+
+    def run_microbatch(self, microbatch: int) -> int:
+        """Run micro-batch ``microbatch``'s held wgrads, in the order they were pushed (the
+        backward's order, as stock runs them); returns how many ran."""
+        tasks = self._held.pop(microbatch, [])
+        with torch.no_grad():  # as inside the backward pass the tasks came from
+            for param, fn in tasks:
+                fn()
+                self.ran += 1
+                self._release(param)
+        return len(tasks)
+
+    def held_microbatches(self) -> list:
+        return sorted(self._held)
 
     def after(self, param: torch.Tensor, callback: Callable[[], None]) -> None:
         """Run ``callback`` once every task of ``param`` has run (now, if none is pending)."""
@@ -83,6 +117,9 @@ class WgradStore:
         _seq, param, fn = self._tasks.popleft()
         fn()
         self.ran += 1
+        self._release(param)
+
+    def _release(self, param) -> None:
         if not self.pending(param):
             for callback in self._after.pop(id(param), ()):
                 callback()

@@ -1,0 +1,308 @@
+"""Megatron's pipeline schedule -> ``pp`` (patch table in ``install.py``).
+
+``get_forward_backward_func`` is replaced where Megatron looks it up
+(``megatron.core.pipeline_parallel``, its ``schedules`` module, and
+``megatron.training.training``, which binds it by name at import): for PP > 1 without a
+virtual pipeline it returns :func:`make_executor`'s function, which runs the ``pp.build``
+schedule asked for with Megatron's own ``forward_step`` / ``backward_step``, so the
+``forward_step_func`` contract, loss scaling, ``forward_only``, ``collect_non_loss_data``,
+``first_val_step``, ``deallocate_pipeline_outputs`` and the ``no_sync_func`` /
+``grad_sync_func`` / ``finalize_model_grads_func`` hooks behave as in stock Megatron. Only the
+order of the compute and where each transfer is posted and waited differ; every transfer goes
+through ``batch_isend_irecv`` on the pipeline group, both ends posting the same transfers in
+the same order, every wait bounded by the group's timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import torch
+import torch.distributed as dist
+
+from ..comm import tags
+from ..errors import OverlapConfigError
+from ..pp import build
+from ..pp.schedule import ACT, B, F, POST, RECV, SEND, WAIT
+
+_NAME = "get_forward_backward_func"
+
+
+def patch(inst) -> None:
+    import sys
+
+    from megatron.core import pipeline_parallel
+    from megatron.core.pipeline_parallel import schedules
+
+    original = schedules.__dict__[_NAME]
+    stock = schedules.forward_backward_pipelining_without_interleaving
+    executor = make_executor(inst)
+
+    @functools.wraps(original)
+    def get_forward_backward_func(*args, **kwargs):
+        func = original(*args, **kwargs)
+        if func is schedules.forward_backward_pipelining_with_interleaving:
+            raise OverlapConfigError("pp.mode", "runs non-interleaved pipelines only; this run has a virtual pipeline "
+                                     "(`megatron.virtual_pipeline_model_parallel_size`): drop it or `pp.mode`")
+        return executor if func is stock else func
+
+    for module in (schedules, pipeline_parallel, sys.modules.get("megatron.training.training")):
+        if module is not None and getattr(module, _NAME, None) is original:
+            inst.set_attr(module, _NAME, get_forward_backward_func)
+    inst.notice_once("pp-on", f"pipeline schedule: {inst.config.pp.mode}"
+                     + (f", up to {inst.config.pp.max_inflight} micro-batches in flight" if inst.config.pp.max_inflight
+                        else ""))
+
+
+def make_executor(inst):
+    """A drop-in for ``forward_backward_pipelining_without_interleaving`` running ``inst``'s
+    schedule."""
+    from megatron.core.pipeline_parallel import schedules
+
+    signature = set(inspect.signature(schedules.backward_step).parameters)
+    with_model_type = "model_type" in signature
+
+    def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                         micro_batch_size, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
+                         first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
+                         force_all_reduce=False, **unknown):
+        if unknown:
+            raise OverlapConfigError("pp.mode", f"runs a schedule that does not take {sorted(unknown)} (a newer "
+                                     "megatron-core?): use `pp.mode` off")
+        run = _Run(inst, schedules, with_model_type, forward_step_func, data_iterator, model, num_microbatches,
+                   forward_only, collect_non_loss_data, first_val_step, p2p_communicator, pg_collection)
+        run.shapes(seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn)
+        return run.execute(force_all_reduce)
+
+    forward_backward.megatron_overlap_schedule = True
+    return forward_backward
+
+
+class _Run:
+    """One call of the schedule: Megatron's state around it and the transfers in flight."""
+
+    def __init__(self, inst, schedules, with_model_type, forward_step_func, data_iterator, model, m, forward_only,
+                 collect_non_loss_data, first_val_step, p2p_communicator, pg_collection):
+        from megatron.core import parallel_state
+        from megatron.core.utils import get_model_config, get_model_type
+
+        model = _single(model, "model")
+        self.inst, self.schedules, self.with_model_type = inst, schedules, with_model_type
+        self.forward_step_func, self.data_iterator = forward_step_func, _single(data_iterator, "data_iterator")
+        self.model, self.m, self.forward_only = model, m, forward_only
+        self.collect_non_loss_data, self.first_val_step = collect_non_loss_data, first_val_step
+        self.config = config = get_model_config(model)
+        self.model_type = get_model_type(model)
+        _refuse_unsupported(config)
+        if pg_collection is not None and not hasattr(pg_collection, "tp"):
+            raise OverlapConfigError("pp.mode", "runs single-module pipelines; a multi-module process-group "
+                                     "collection needs Megatron's own schedule (`pp.mode` off)")
+        if p2p_communicator is not None:
+            self.pp_group = p2p_communicator.pp_group
+        elif pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+            self.pp_group = pg_collection.pp
+        else:
+            self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        if pg_collection is None:
+            self.tp_group = parallel_state.get_tensor_model_parallel_group()
+            self.cp_group = parallel_state.get_context_parallel_group()
+        else:
+            self.tp_group, self.cp_group = pg_collection.tp, pg_collection.cp
+        self.pg_collection = pg_collection
+        self.stage, self.p = self.pp_group.rank(), self.pp_group.size()
+        self.first, self.last = self.stage == 0, self.stage == self.p - 1
+        self.device = next(model.parameters()).device
+        self.works, self.buffers = {}, {}
+        self.inputs, self.outputs, self.out_grads, self.in_grads = {}, {}, {}, {}
+
+    def shapes(self, seq_length, micro_batch_size, decoder_seq_length, adjust):
+        kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+                  config=self.config, tp_group=self.tp_group, cp_group=self.cp_group)
+        recv = send = self.schedules.get_tensor_shapes(**kw)
+        if adjust is not None:
+            recv, send = adjust(recv, send)
+        if len(recv) != 1 or len(send) != 1:
+            raise OverlapConfigError("pp.mode", f"sends one tensor between stages; this model sends {len(send)} "
+                                     "(encoder-decoder or adjusted shapes): use `pp.mode` off")
+        self.recv_shape, self.send_shape = tuple(recv[0]), tuple(send[0])
+        pp = self.inst.config.pp
+        inflight = _inflight(pp, self.p, self.m, self.config, seq_length, micro_batch_size)
+        self.schedule = _schedule(pp.mode, self.p, self.m, inflight, self.forward_only)
+        self.store = self.inst.wgrad if self.schedule.split else None
+
+    # -- the step ------------------------------------------------------------------------------
+    def execute(self, force_all_reduce):
+        config, schedules = self.config, self.schedules
+        embedding = None
+        if config.finalize_model_grads_func is not None and not self.forward_only:
+            embedding = schedules.clear_embedding_activation_buffer(config, self.model, self.last)
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        self.total_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+        self.data = []
+        sync = _GradSync(config)
+        sync.disable()
+        last_b = self.m - 1
+        for action in self.schedule.actions[self.stage]:
+            if action.op == B and action.mb == last_b and (config.grad_sync_func is None or self.stage == 0):
+                sync.enable()
+            self._run(action)
+        if not self.forward_only and sync.context is not None:  # as stock: forward-only leaves it entered
+            sync.enable()
+            if config.grad_sync_func is not None:
+                config.grad_sync_func(self.model.parameters())
+        if config.finalize_model_grads_func is not None and not self.forward_only:
+            schedules.finish_embedding_wgrad_compute(config, embedding, self.last, self.tp_group)
+            config.finalize_model_grads_func(
+                [self.model], self.total_tokens if config.calculate_per_token_loss else None,
+                pg_collection=self.pg_collection or _default_collection(self), force_all_reduce=force_all_reduce)
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        return self.data
+
+    def _run(self, action):
+        if action.op == POST:
+            self._post(action.comms)
+        elif action.op == WAIT:
+            self._wait(action.comms[0])
+        elif action.op == F:
+            self._forward(action.mb)
+        elif action.op == B:
+            self._backward(action.mb)
+        else:
+            self.store.run_microbatch(action.mb)
+
+    def _forward(self, mb):
+        s = self.schedules
+        input_tensor = [self.inputs.get(mb)]
+        output, tokens = s.forward_step(
+            self.forward_step_func, self.data_iterator, self.model, self.m, input_tensor, self.data, self.config,
+            cp_group_size=self.cp_group.size(), collect_non_loss_data=self.collect_non_loss_data,
+            checkpoint_activations_microbatch=None,
+            is_first_microbatch=s.check_first_val_step(self.first_val_step, self.forward_only, mb == 0),
+            current_microbatch=mb, is_last_stage=self.last)
+        self.total_tokens += tokens
+        self.outputs[mb] = output
+        if self.forward_only:
+            self.inputs.pop(mb, None)
+        else:
+            self.inputs[mb] = input_tensor
+
+    def _backward(self, mb):
+        args = (self.inputs.pop(mb), self.outputs.pop(mb), [self.out_grads.pop(mb, None)])
+        if self.with_model_type:
+            args = args + (self.model_type,)
+        hold = self.store.hold_for(mb) if self.store is not None else contextlib.nullcontext()
+        with hold:
+            grad = self.schedules.backward_step(*args, self.config)
+        self.in_grads[mb] = grad[0] if isinstance(grad, list) else grad
+
+    # -- transfers -----------------------------------------------------------------------------
+    def _post(self, comms):
+        ops = []
+        for c in comms:
+            peer = dist.get_global_rank(self.pp_group, c.peer)
+            tag = tags.tag("pp.stage", 0)
+            if c.op == SEND:
+                tensor = (self.outputs[c.mb][0] if c.kind == ACT else self.in_grads.pop(c.mb))
+                self.buffers[c] = tensor
+                ops.append(dist.P2POp(dist.isend, tensor, peer, self.pp_group, tag))
+            else:
+                shape = self.recv_shape if c.kind == ACT else self.send_shape
+                buf = torch.empty(shape, dtype=self.config.pipeline_dtype, device=self.device, requires_grad=True)
+                self.buffers[c] = buf
+                ops.append(dist.P2POp(dist.irecv, buf, peer, self.pp_group, tag))
+        works = dist.batch_isend_irecv(ops)
+        for i, c in enumerate(comms):
+            self.works[c] = [works[i]] if len(works) == len(comms) else list(works)
+
+    def _wait(self, c):
+        for work in self.works.pop(c):
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"megatron-overlap pipeline stage {self.stage}: {c} did not complete "
+                    f"({'the peer stage is silent or failed' if 'imeout' in str(exc) else exc}); "
+                    f"the pipeline group's timeout bounds every wait") from exc
+        buf = self.buffers.pop(c)
+        if c.op == RECV and c.kind == ACT:
+            self.inputs[c.mb] = buf
+        elif c.op == RECV:
+            self.out_grads[c.mb] = buf
+        elif c.kind == ACT:
+            output = self.outputs[c.mb] if not self.forward_only else self.outputs.pop(c.mb)
+            self.schedules.deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
+
+
+class _GradSync:
+    """Megatron's ``no_sync`` around every backward but the last micro-batch's."""
+
+    def __init__(self, config):
+        self.func = config.no_sync_func or contextlib.nullcontext
+        self.context = None
+
+    def disable(self):
+        if self.context is None:
+            self.context = self.func()
+            self.context.__enter__()
+
+    def enable(self):
+        if self.context is not None:
+            self.context.__exit__(None, None, None)
+            self.context = None
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(mode, p, m, inflight, forward_only):
+    return build(mode, p, m, inflight, forward_only=forward_only)
+
+
+def _inflight(pp, p, m, config, seq_length, micro_batch_size) -> int:
+    """Micro-batches in flight on stage 0: the flag (checked against the micro-batches of this
+    call), or what the memory budget allows, or the PP size."""
+    from ..pp import check_inflight
+    from ..pp.memory import inflight_for_budget, stage_activation_bytes
+
+    if pp.max_inflight:
+        check_inflight(p, m, pp.max_inflight)
+        return pp.max_inflight
+    if pp.memory_budget_gb:
+        per = stage_activation_bytes(config, seq_length, micro_batch_size, p)
+        return inflight_for_budget(pp.memory_budget_gb, p, m, per)
+    return p
+
+
+def _single(x, name):
+    if isinstance(x, list):
+        if len(x) != 1:
+            raise OverlapConfigError("pp.mode", f"runs non-interleaved pipelines: {name} must be one chunk, got {len(x)}")
+        return x[0]
+    return x
+
+
+def _refuse_unsupported(config) -> None:
+    if config.variable_seq_lengths:
+        raise OverlapConfigError("pp.mode", "sends fixed shapes between stages; `megatron.variable_seq_lengths` needs "
+                                 "Megatron's own schedule (`pp.mode` off)")
+    if config.num_microbatches_with_partial_activation_checkpoints is not None:
+        raise OverlapConfigError("pp.mode", "does not run Megatron's partial activation checkpointing "
+                                 "(`megatron.num_layers_per_virtual_pipeline_stage` aside, "
+                                 "`megatron.num_microbatches_with_partial_activation_checkpoints`): unset it or use "
+                                 "`pp.mode` off")
+    if getattr(config, "fine_grained_activation_offloading", False):
+        raise OverlapConfigError("pp.mode", "does not run with fine-grained activation offloading; use `pp.mode` off")
+
+
+def _default_collection(run):
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgc = ProcessGroupCollection()
+    pgc.tp, pgc.pp, pgc.cp = run.tp_group, run.pp_group, run.cp_group
+    pgc.embd = parallel_state.get_embedding_group(check_initialized=False)
+    pgc.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
+    pgc.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+    return pgc
+

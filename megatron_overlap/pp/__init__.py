@@ -1,0 +1,11 @@
+"""Pipeline schedules (``--overlap-pp``): schedules as data (``schedule``), named and built
+(``build``), checked before they run (``validate``). Pure Python; the executor that runs them
+with Megatron's ``forward_step`` / ``backward_step`` is ``integration/schedules.py``."""
+
+from .build import KINDS, build, check_inflight
+
+MODES = ("off", "1f1b", "zb", "auto")  # --overlap-pp
+from .schedule import Action, Comm, Schedule
+from .validate import ScheduleError, validate
+
+__all__ = ["KINDS", "MODES", "Action", "Comm", "Schedule", "ScheduleError", "build", "check_inflight", "validate"]

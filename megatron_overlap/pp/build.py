@@ -1,0 +1,65 @@
+"""The named schedules (``--overlap-pp``), built and validated.
+
+    megatron  Megatron's non-interleaved 1F1B as it runs today: every transfer waited where it
+              is posted (the reference the others are tested against)
+    1f1b      the same order of forwards and backwards, every transfer posted as early as the
+              link allows and waited just before use (``inflight`` > stages: Centauri's model
+              level, more forwards in flight before the first backward)
+    zb        the backward split into B (input gradient) and W (weight gradient); W fills what
+              would be bubbles (ZB-H1 at ``inflight`` = stages: 1F1B's peak memory)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..errors import OverlapConfigError
+from .schedule import Schedule, asynchronous_actions, megatron_actions, one_f_one_b_order, split_order
+from .validate import validate
+
+KINDS = ("megatron", "1f1b", "zb")
+
+
+def check_inflight(stages: int, microbatches: int, inflight: int) -> None:
+    if not stages <= inflight <= max(stages, microbatches):
+        raise OverlapConfigError(
+            "pp.max_inflight", f"is {inflight}; with {stages} stages and {microbatches} micro-batches it must be in "
+            f"[{stages}, {max(stages, microbatches)}] (the stages at least, as 1F1B; at most every micro-batch, as GPipe)")
+
+
+def build(kind: str, stages: int, microbatches: int, inflight: int = 0, w_share: float = 0.5,
+          times: Sequence[float] = (1.0, 1.0, 1.0), forward_only: bool = False) -> Schedule:
+    """Schedule ``kind`` for ``stages`` x ``microbatches`` (``inflight`` 0: as many as stages),
+    validated before it is returned."""
+    p, m = stages, microbatches
+    if kind not in KINDS:
+        raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(KINDS)}")
+    if p < 2 or m < 1:
+        raise ValueError(f"a pipeline schedule needs >= 2 stages and >= 1 micro-batch, got {p} and {m}")
+    k = inflight or p
+    if kind != "megatron":
+        check_inflight(p, m, k)
+    split = kind == "zb" and not forward_only
+    if kind == "megatron":
+        k = p
+        actions = [megatron_actions(p, m, s, forward_only) for s in range(p)]
+    else:
+        if forward_only:
+            orders = [[("F", i) for i in range(m)] for _ in range(p)]
+        elif split:
+            orders = split_order(p, m, k, times)
+        else:
+            orders = [one_f_one_b_order(p, m, s, k) for s in range(p)]
+        actions = [asynchronous_actions(orders, s, forward_only) for s in range(p)]
+    if forward_only:
+        bound = tuple(float(m) for _ in range(p))  # nothing is kept for a backward
+    elif split:
+        bound = tuple(min(m, k - s) + s * w_share for s in range(p))
+    else:
+        bound = tuple(float(min(m, max(1, k - s))) for s in range(p))
+    name = kind if k == p or kind == "megatron" else f"{kind} (inflight {k})"
+    schedule = Schedule(name=name, stages=p, microbatches=m, split=split, inflight=k,
+                        actions=tuple(tuple(a) for a in actions), memory_bound=bound, w_share=w_share,
+                        forward_only=forward_only)
+    validate(schedule)
+    return schedule

@@ -1,0 +1,58 @@
+"""Model settings ``--overlap-pp`` cannot honour, and ``auto`` resolved, from a
+``config.ModelContext`` (unknown settings pass; the executor checks what it meets)."""
+
+from __future__ import annotations
+
+from ..errors import OverlapConfigError
+
+
+def pp_schedule_applies(pp, ctx) -> bool:
+    """True when the pipeline schedule is replaced (PP > 1, or PP unknown)."""
+    return pp.enabled and (ctx.pp_size is None or ctx.pp_size > 1)
+
+
+def check_pp_model(pp, tp, ctx) -> None:
+    """``pp``, ``tp``: the config's sections; ``ctx``: a ``config.ModelContext``."""
+    if not pp_schedule_applies(pp, ctx):
+        return
+    if ctx.virtual_pp_size is not None:
+        raise OverlapConfigError(
+            "pp.mode", "runs non-interleaved pipelines; this run asks for a virtual pipeline "
+            "(`megatron.num_layers_per_virtual_pipeline_stage` / `megatron.virtual_pipeline_model_parallel_size`): "
+            "drop it, or drop `pp.mode` to run Megatron's interleaved schedule")
+    for name in ctx.megatron_pp_flags:
+        raise OverlapConfigError(
+            f"megatron.{name}", f"changes Megatron's pipeline schedule, which `pp.mode` {pp.mode} replaces: "
+            "choose one of the two")
+    if pp.mode in ("zb", "auto"):
+        reason = split_unavailable(tp, ctx)
+        if reason and pp.mode == "zb":
+            raise OverlapConfigError("pp.mode", f"zb splits each backward into B and W, which needs {reason}; use "
+                                     "`pp.mode` 1f1b (no split) instead")
+    if pp.max_inflight is not None and ctx.pp_size is not None and pp.max_inflight < ctx.pp_size:
+        raise OverlapConfigError(
+            "pp.max_inflight", f"is {pp.max_inflight}, below the {ctx.pp_size} pipeline stages: the first stage "
+            f"holds at least {ctx.pp_size} micro-batches (as in 1F1B)")
+
+
+def split_unavailable(tp, ctx):
+    """Why the weight gradients cannot be deferred to W here (None: they can)."""
+    if ctx.transformer_impl == "transformer_engine":
+        return ("weight gradients computed apart from the backward; Transformer Engine's linears would give "
+                "them (`delay_wgrad_compute`, `backward_dw`) but that path has not been tested, so it is refused: "
+                "use `megatron.transformer_impl` local")
+    if ctx.tp_size is not None and ctx.tp_size > 1 and not tp.enabled:
+        return (f"megatron-overlap's linears at TP={ctx.tp_size} (they defer the weight gradient): add "
+                "`tp.mode` p2p (with `megatron.sequence_parallel`)")
+    return None
+
+
+def resolve_auto(pp, tp, ctx, notice):
+    """``auto``: ``zb`` where W can be deferred, else ``1f1b``."""
+    if pp.mode != "auto":
+        return pp
+    reason = split_unavailable(tp, ctx)
+    mode = "1f1b" if reason else "zb"
+    notice(f"`pp.mode` auto: {mode}" + (f" (no B/W split: it needs {reason.split(':')[0]})" if reason else
+                                         " (B/W split, ZB-H1: 1F1B's peak activation memory)"))
+    return pp.replace(mode=mode)

@@ -1,0 +1,62 @@
+"""Pipeline functions the tests run on every rank of the pool (importable by name)."""
+
+from __future__ import annotations
+
+import torch
+
+_TRAINERS: dict = {}
+
+
+def _trainer(tp: int, pp: int, overlap_grad_reduce: bool):
+    """One model per layout and DDP setting per process, reset before each run."""
+    from megatron_overlap.lab.pipeline_gpt import PipelineGPT, PipelineTrainer
+
+    key = (tp, pp, overlap_grad_reduce)
+    if key not in _TRAINERS:
+        _TRAINERS[key] = PipelineTrainer(PipelineGPT(tp=tp, pp=pp), overlap_grad_reduce)
+    return _TRAINERS[key]
+
+
+def _install(mode: str, inflight, tp: int):
+    import megatron_overlap
+    from megatron_overlap.config import OverlapConfig, PPConfig, TPConfig
+
+    megatron_overlap.uninstall()
+    if mode == "off":  # stock Megatron: its 1F1B and its linears
+        return None
+    explicit = frozenset({"max_inflight"}) if inflight else frozenset()
+    config = OverlapConfig(tp=TPConfig(mode="p2p" if tp > 1 else "off"),
+                           pp=PPConfig(mode=mode, max_inflight=inflight, explicit=explicit))
+    return megatron_overlap.install(config)
+
+
+def pp_runs(tp: int, pp: int, overlap_grad_reduce: bool, runs: list, steps: int) -> dict:
+    """For each (mode, microbatches, inflight) in ``runs``: ``steps`` losses from the same start
+    and every parameter's gradient after the first step (this rank's stage)."""
+    import dataclasses
+
+    import megatron_overlap
+
+    trainer = _trainer(tp, pp, overlap_grad_reduce)
+    out = {}
+    base = trainer.setup
+    try:
+        for mode, m, inflight in runs:
+            trainer.setup = dataclasses.replace(base, microbatches=m)
+            inst = _install(mode, inflight, tp)
+            trainer.reset()
+            grads, losses = [], []
+            for step in range(steps):
+                losses.append(trainer.step(step, on_grads=grads.append if step == 0 else None))
+            out[f"{mode}/{m}/{inflight}"] = {"losses": losses, "grads": grads[0],
+                                             "ran": inst.wgrad.ran if inst is not None and inst.wgrad is not None else 0}
+    finally:
+        trainer.setup = base
+        megatron_overlap.uninstall()
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = b.double().norm().item()
+    diff = (a.double() - b.double()).norm().item()
+    return diff / denom if denom else diff
