@@ -560,15 +560,20 @@ def link_paths(overlap_grad_reduce: bool) -> dict:
         small, large = torch.ones(1 << 10), torch.ones(1 << 18)  # 4 KiB, 1 MiB
         link.spec = LinkSpec(bandwidth_GBps=0.02, latency_us=0.0)
         dist.barrier()
-        t0 = time.perf_counter()
         rb, rl = torch.empty_like(small), torch.empty_like(large)
         sb, wb = exchange(b, send=small, dst=peer, recv=rb, src=peer, tag=7)
+        posted = time.perf_counter()  # the large send leaves after this (CLOCK_MONOTONIC: one clock for all ranks)
         sl, wl = exchange(a, send=large, dst=peer, recv=rl, src=peer, tag=7)
         wl.wait()
-        out["large_recv_s"] = time.perf_counter() - t0
+        done = time.perf_counter()
         wb.wait()
         sb.wait()
         sl.wait()
+        # measured from the peer's posting of the large send, not from this rank's barrier exit
+        # (the ranks leave the barrier a few ms apart, which made this check flaky)
+        stamps = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
+        dist.all_gather(stamps, torch.tensor([posted], dtype=torch.float64), group=a)
+        out["large_recv_s"] = done - float(stamps[peer])
         out["large_s"] = link.spec.seconds(large.nbytes)
         out["recv_ok"] = bool(torch.equal(rb, small) and torch.equal(rl, large))
     return out
