@@ -156,7 +156,10 @@ class ColumnParallelSP(torch.autograd.Function):
     @_custom_fwd
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 wgrad: WgradOptions, comm: TPComm) -> torch.Tensor:
-        ctx.save_for_backward(input, weight)
+        ctx.save_for_backward(input)
+        # The weight itself, not a copy: saved-tensor hooks (activation offloading, memory
+        # probes) hand back a new tensor object without main_grad and Megatron's flags.
+        ctx.weight = weight
         # Not in save_for_backward: one module may run in several places (Megatron's reason).
         ctx.main_grad = weight.main_grad if wgrad.accumulation_fusion and hasattr(weight, "main_grad") else None
         ctx.use_bias = bias is not None
@@ -170,7 +173,7 @@ class ColumnParallelSP(torch.autograd.Function):
     @staticmethod
     @_custom_bwd
     def backward(ctx, grad_output: torch.Tensor):
-        input, weight = ctx.saved_tensors
+        (input,), weight = ctx.saved_tensors, ctx.weight
         comm, wgrad = ctx.comm, ctx.wgrad
         if wgrad.accumulation_fusion:
             weight.main_grad = ctx.main_grad
@@ -211,7 +214,8 @@ class RowParallelSP(torch.autograd.Function):
     @staticmethod
     @_custom_fwd
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, wgrad: WgradOptions, comm: TPComm) -> torch.Tensor:
-        ctx.save_for_backward(input, weight)
+        ctx.save_for_backward(input)
+        ctx.weight = weight  # the parameter itself (see ColumnParallelSP)
         ctx.main_grad = weight.main_grad if wgrad.accumulation_fusion and hasattr(weight, "main_grad") else None
         ctx.wgrad, ctx.comm = wgrad, comm
         ctx.prefetch_slot = comm.prefetch.claim(comm.group) if comm.prefetch is not None else None
@@ -220,7 +224,7 @@ class RowParallelSP(torch.autograd.Function):
     @staticmethod
     @_custom_bwd
     def backward(ctx, grad_output: torch.Tensor):
-        input, weight = ctx.saved_tensors
+        (input,), weight = ctx.saved_tensors, ctx.weight
         comm, wgrad = ctx.comm, ctx.wgrad
         if wgrad.accumulation_fusion:
             weight.main_grad = ctx.main_grad
@@ -245,7 +249,8 @@ class DeferredWgradLinear(torch.autograd.Function):
     @_custom_fwd
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 wgrad: WgradOptions, store: WgradStore) -> torch.Tensor:
-        ctx.save_for_backward(input, weight)
+        ctx.save_for_backward(input)
+        ctx.weight = weight  # the parameter itself (see ColumnParallelSP)
         ctx.main_grad = weight.main_grad if wgrad.accumulation_fusion and hasattr(weight, "main_grad") else None
         ctx.use_bias = bias is not None
         ctx.wgrad, ctx.store = wgrad, store
@@ -255,7 +260,7 @@ class DeferredWgradLinear(torch.autograd.Function):
     @staticmethod
     @_custom_bwd
     def backward(ctx, grad_output: torch.Tensor):
-        input, weight = ctx.saved_tensors
+        (input,), weight = ctx.saved_tensors, ctx.weight
         wgrad = ctx.wgrad
         if wgrad.accumulation_fusion:
             weight.main_grad = ctx.main_grad
