@@ -99,8 +99,9 @@ _FLAGS = (  # (flag, config field, argparse keywords)
     ("--overlap-pp-max-inflight", "pp.max_inflight", dict(
         type=int, default=None, metavar="K",
         help="Micro-batches forwarded by the first stage before its first backward, K in [PP size, number of "
-        "micro-batches] (default: PP size, as 1F1B). More in flight give transfers more compute to hide behind "
-        "and cost activation memory.")),
+        "micro-batches] (default: PP size, as 1F1B); stage s then warms up with max(PP - s, K - 2s). More in "
+        "flight give transfers more compute to hide behind and cost activation memory on the first stages; "
+        "2 x PP - 1 hides every steady-state transfer.")),
     ("--overlap-pp-memory-budget", "pp.memory_budget_gb", dict(
         type=float, default=None, metavar="GB",
         help="Activation memory per stage in GB; sets --overlap-pp-max-inflight to the most micro-batches that "

@@ -4,6 +4,8 @@ bubble of each against 1F1B's. Pure Python, no torch.distributed."""
 
 import dataclasses
 
+import itertools
+
 import pytest
 
 from megatron_overlap.errors import OverlapConfigError
@@ -84,20 +86,52 @@ def test_zb_h1_shape_and_bubble():
     assert ref.bubble == pytest.approx(3 / (16 + 3), rel=1e-6)  # (p-1)/(m+p-1)
 
 
-def test_asynchronous_transfers_hide_behind_compute_in_simulation():
-    """On a link where a transfer takes 0.3 of a forward: stock's waits see every transfer,
-    asynchronous 1F1B leaves a round trip per micro-batch exposed (its order waits for the
-    next stage), more in flight and the zb split hide all but the fill and the drain."""
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_asynchronous_transfers_hide_behind_compute_in_simulation(p):
+    """On a link where a transfer takes 0.3 of a forward, exposed = step - the same schedule's
+    step on a free link: stock pays for every transfer; asynchronous 1F1B at 1F1B's memory
+    (K = p) still has the activation's and the gradient's trip on its critical path each
+    cycle; K = 2p - 1, each stage two micro-batches ahead of the next, hides all but the fill and
+    the drain (the first activation down and the last gradient up the p - 1 hops), which
+    nothing can hide; ZB-H1 sits between, at 1F1B's memory."""
     t, link = [StageTimes(1.0, 1.0, 1.0)], LinkCost(transfer_ms=0.3, latency_ms=0.01)
-    stock = simulate(build("megatron", 2, 8), t, link)
-    ours = {name: max(simulate(build(kind, 2, 8, k), t, link).p2p_exposed_ms)
-            for name, kind, k in (("1f1b", "1f1b", 2), ("1f1b K=8", "1f1b", 8), ("zb", "zb", 2))}
-    ref = max(stock.p2p_exposed_ms)
-    assert ours["1f1b"] < 0.6 * ref
-    # what stays exposed with K = m or the split is the pipeline's fill and drain: the first
-    # activation into the last stage and the last gradient out of it, which nothing can hide
-    fill_drain = 2 * (link.transfer_ms + link.latency_ms)
-    assert ours["1f1b K=8"] == pytest.approx(fill_drain) and ours["zb"] == pytest.approx(fill_drain)
+
+    def exposed(kind, k=0):
+        schedule = build(kind, p, 4 * p, k)
+        return simulate(schedule, t, link).step_ms - simulate(schedule, t).step_ms
+
+    stock = exposed("megatron")
+    fill_drain = 2 * (p - 1) * (link.transfer_ms + link.latency_ms)
+    assert stock >= 4 * p * (link.transfer_ms + link.latency_ms)  # about one transfer per micro-batch
+    assert exposed("1f1b", p) < stock
+    assert exposed("1f1b", 2 * p - 1) == pytest.approx(fill_drain)
+    assert exposed("1f1b", 4 * p) == pytest.approx(fill_drain)
+    assert exposed("zb", p) < 0.5 * stock
+
+
+def test_two_ahead_per_stage_hides_more_than_one_ahead_and_holds_less():
+    """The in-flight rule (``max(p - s, K - 2s)`` forwards before stage s's first backward)
+    against the plain ``K - s``: never a longer step, over stages, micro-batches, F/B ratios,
+    transfer sizes and K, and at most the same activations on every stage."""
+    from megatron_overlap.pp.schedule import Schedule, asynchronous_actions, warmup
+
+    for p, m, (f, b), size in itertools.product((2, 4), (None, 3), ((1, 2), (1, 1.5)), (0.1, 0.6)):
+        m = 4 * p if m is None else m * p
+        times, link = [StageTimes(f, b, 0.0)], LinkCost(transfer_ms=size)
+        for k in sorted({p + 1, 2 * p - 1, m}):
+            ours = simulate(build("1f1b", p, m, k), times, link).step_ms
+            plain = []
+            for s in range(p):
+                warm = max(1, min(m, k - s))
+                order = [("F", i) for i in range(warm - 1)]
+                for j in range(m - warm + 1):
+                    order += [("F", warm - 1 + j), ("B", j)]
+                plain.append(order + [("B", j) for j in range(m - warm + 1, m)])
+            actions = tuple(tuple(asynchronous_actions(plain, s, False)) for s in range(p))
+            reference = Schedule(name="plain", stages=p, microbatches=m, inflight=k, split=False,
+                                 actions=actions, memory_bound=tuple(float(max(1, min(m, k - s))) for s in range(p)))
+            assert ours <= simulate(reference, times, link).step_ms + 1e-9, (p, m, f, b, size, k)
+            assert all(warmup(p, m, s, k) <= max(1, min(m, k - s)) for s in range(p))
 
 
 # -- broken schedules -------------------------------------------------------------------------------

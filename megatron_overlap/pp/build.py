@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import OverlapConfigError
-from .schedule import Schedule, asynchronous_actions, megatron_actions, one_f_one_b_order, split_order
+from .schedule import Schedule, asynchronous_actions, megatron_actions, one_f_one_b_order, split_order, warmup
 from .validate import validate
 
 KINDS = ("megatron", "1f1b", "zb")
@@ -54,9 +54,9 @@ def build(kind: str, stages: int, microbatches: int, inflight: int = 0, w_share:
     if forward_only:
         bound = tuple(float(m) for _ in range(p))  # nothing is kept for a backward
     elif split:
-        bound = tuple(min(m, k - s) + s * w_share for s in range(p))
+        bound = tuple(warmup(p, m, s, k) + s * w_share for s in range(p))
     else:
-        bound = tuple(float(min(m, max(1, k - s))) for s in range(p))
+        bound = tuple(float(warmup(p, m, s, k)) for s in range(p))
     name = kind if k == p or kind == "megatron" else f"{kind} (inflight {k})"
     schedule = Schedule(name=name, stages=p, microbatches=m, split=split, inflight=k,
                         actions=tuple(tuple(a) for a in actions), memory_bound=bound, w_share=w_share,

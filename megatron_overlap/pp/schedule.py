@@ -98,13 +98,22 @@ class Schedule:
 
 
 # -- compute orders ---------------------------------------------------------------------------------
+def warmup(stages: int, microbatches: int, stage: int, inflight: int) -> int:
+    """Forwards stage ``stage`` runs before its first backward (``one_f_one_b_order``)."""
+    return max(1, min(microbatches, max(stages - stage, inflight - 2 * stage)))
+
+
 def one_f_one_b_order(stages: int, microbatches: int, stage: int, inflight: int) -> List[Tuple[str, int]]:
-    """Megatron's non-interleaved order, generalised to ``inflight`` forwards before the first
-    backward on stage 0 (``inflight - stage`` on stage ``stage``, at least one; 1F1B is
-    ``inflight = stages``): warm-up forwards, then F(warm - 1 + k) and B(k) in turn, as
-    Megatron's steady loop runs them, then the remaining backwards."""
+    """Megatron's non-interleaved order, generalised to ``inflight`` (K) forwards before the
+    first backward on stage 0: warm-up forwards, then F(warm - 1 + k) and B(k) in turn, as
+    Megatron's steady loop runs them, then the remaining backwards. 1F1B (K = p) warms stage s
+    up with p - s. With more in flight each later stage takes two fewer, ``max(p - s, K - 2s)``:
+    a transfer is hidden only when a stage is two micro-batches ahead of the next one (the
+    activation's trip out and the gradient's trip back each need a compute to hide behind), so
+    at K = 2p - 1 every steady-state transfer is, where K - s per stage hides almost none and
+    holds more (``bench pp``; tests/test_pp_schedules.py)."""
     m = microbatches
-    warm = max(1, min(m, inflight - stage))
+    warm = warmup(stages, m, stage, inflight)
     order = [(F, i) for i in range(warm - 1)]
     for k in range(m - warm + 1):
         order += [(F, warm - 1 + k), (B, k)]
