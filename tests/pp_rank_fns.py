@@ -11,9 +11,13 @@ def _trainer(tp: int, pp: int, overlap_grad_reduce: bool):
     """One model per layout and DDP setting per process, reset before each run."""
     from megatron_overlap.lab.pipeline_gpt import PipelineGPT, PipelineTrainer
 
+    from megatron_overlap.lab import tiny_gpt
+
     key = (tp, pp, overlap_grad_reduce)
     if key not in _TRAINERS:
         _TRAINERS[key] = PipelineTrainer(PipelineGPT(tp=tp, pp=pp), overlap_grad_reduce)
+    else:  # another test may have switched Megatron's parallel state to its layout since
+        tiny_gpt.init_parallel(tp, pp=pp)
     return _TRAINERS[key]
 
 
@@ -60,3 +64,28 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = b.double().norm().item()
     diff = (a.double() - b.double()).norm().item()
     return diff / denom if denom else diff
+
+
+def pp_eval(tp: int, pp: int, modes: list, m: int) -> dict:
+    """``forward_only`` (Megatron's evaluation): per mode the loss of a forward-only pass over
+    ``m`` micro-batches from the same start, and whether any gradient was accumulated."""
+    import dataclasses
+
+    import megatron_overlap
+
+    trainer = _trainer(tp, pp, False)
+    base = trainer.setup
+    out = {}
+    try:
+        trainer.setup = dataclasses.replace(base, microbatches=m)
+        for mode in modes:
+            _install(mode, None, tp)
+            trainer.reset()
+            trainer.ddp.zero_grad_buffer()
+            loss = trainer.step(0, forward_only=True)
+            touched = any(p.main_grad.abs().sum().item() > 0 for p in trainer.ddp.module.parameters())
+            out[mode] = {"loss": loss, "grads_touched": touched}
+    finally:
+        trainer.setup = base
+        megatron_overlap.uninstall()
+    return out

@@ -115,3 +115,40 @@ def test_published_rows_are_ranges_over_what_the_source_does_not_state():
         assert lo <= hi and "configurations" in r["predicted"] and "varied" in r["assumed"], r
     domino = next(r for r in published_rows() if r["system"] == "DeepSpeed Domino")
     assert "fused" not in domino["predicted"].split("max at")[1]  # not credited to a kernel slower than stock
+
+
+def test_pipeline_schedules_in_the_plan():
+    """PP > 1 in training: the plan simulates each schedule from the layer model's F, B, W per
+    stage (the first stage with the embedding, the last with the head), ranks them with their
+    flags, and the figures hold together: W is part of the backward, stock's P2P is the most
+    exposed, ZB-H1 keeps 1F1B's activation memory, K = 2p-1 holds 2p-1 micro-batches."""
+    from megatron_overlap.tune.pipeline import simulate_schedules, stage_costs
+
+    model, hw = get_model("llama3-70b"), get_hardware("h100-sxm")
+    run = RunSpec(tp=8, pp=8, seq=8192, micro_batch=1, micro_batches=32)
+    costs = stage_costs(model, run, hw)
+    assert len(costs.times) == 8 and all(0 < t.w < t.b + t.w for t in costs.times)
+    assert costs.times[-1].f > costs.times[1].f and costs.times[0].f > costs.times[1].f  # head / embedding
+    rows = {r.label: r for r in simulate_schedules(model, run, hw)}
+    stock, one, two, zb = (rows[k] for k in ("stock Megatron 1F1B", "1f1b (async P2P)", "1f1b, K = 2p-1 in flight",
+                                             "zb (ZB-H1)"))
+    assert stock.p2p_exposed_ms > one.p2p_exposed_ms >= two.p2p_exposed_ms > 0
+    assert zb.step_ms < one.step_ms <= stock.step_ms and zb.bubble < stock.bubble
+    assert zb.peak_activation_gb == pytest.approx(stock.peak_activation_gb)
+    assert two.peak_activation_gb == pytest.approx(stock.peak_activation_gb * 15 / 8)
+    assert two.flags == "--overlap-pp 1f1b --overlap-pp-max-inflight 15" and zb.flags == "--overlap-pp zb"
+    plan = make_plan(model, run, hw, [Strategy("megatron")])
+    text = format_plan(plan)
+    assert "pipeline schedules (simulated" in text and "best schedule: zb (ZB-H1)" in text
+    assert plan_json(plan)["pipeline"][0]["label"] == "stock Megatron 1F1B"
+    with pytest.raises(ValueError, match="PP >= 2"):
+        stage_costs(model, RunSpec(tp=8, seq=8192), hw)
+
+
+def test_published_zero_bubble_rows_say_what_they_assume():
+    rows = [r for r in published_rows() if r["system"] == "Zero Bubble PP"]
+    assert len(rows) == 2 and all("simulated" in r["assumed"] or "as the row above" in r["assumed"] for r in rows)
+    bubble, gain = rows
+    assert "of 1F1B's bubble" in bubble["predicted"] and bubble["why"]  # misses 1/3: says why (F = B = W)
+    assert "F = B = W" in bubble["why"]
+    assert gain["predicted"].endswith(")") and "x over 12 configurations" in gain["predicted"]

@@ -40,3 +40,16 @@ def test_every_schedule_trains_like_megatrons_1f1b(pool4, tp, pp, overlap_grad_r
                 if key.startswith("zb"):
                     assert ours["ran"] > 0, (rank, key)  # the weight gradients did wait for W
         assert len({tuple(r["losses"]) for r in per_run.values()}) >= 3  # m changes the losses: real runs
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (1, 4)], ids=["pp2", "pp4"])
+def test_forward_only_evaluates_like_megatron(pool4, tp, pp):
+    """Megatron's evaluation path (forward_only): every schedule runs forwards only, returns
+    the same losses as stock and accumulates no gradient."""
+    m = 2 * pp + 1
+    for rank, per_mode in enumerate(pool4.run(pp_rank_fns.pp_eval, tp, pp, ["off", "1f1b", "zb"], m)):
+        stock = per_mode["off"]["loss"]
+        assert stock > 0, per_mode
+        for mode, r in per_mode.items():
+            assert abs(r["loss"] - stock) <= TOL * abs(stock), (rank, mode, per_mode)
+            assert not r["grads_touched"], (rank, mode)

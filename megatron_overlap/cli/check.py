@@ -60,6 +60,17 @@ def report() -> dict:
         "auto": (mcore_ok, f"resolves to {resolve_backend(TPConfig(mode='auto'))} here"),
     }
     info["backends"] = {name: {"usable": ok, "note": note} for name, (ok, note) in backends.items()}
+    split = "local spec only (Transformer Engine's wgrad deferral is untested, so zb refuses it)"
+    schedules = {
+        "off": (True, "Megatron's own pipeline schedule"),
+        "1f1b": (mcore_ok, "non-interleaved 1F1B with every stage transfer posted early, waited late; "
+                           "--overlap-pp-max-inflight K (2 x PP - 1 hides the steady-state transfers)"),
+        "zb": (mcore_ok, f"ZB-H1: backward split into B and W, 1F1B's peak memory; {split}"),
+        "auto": (mcore_ok, "zb where the weight gradients can be deferred, else 1f1b"),
+    }
+    info["pipeline schedules"] = {name: {"usable": ok, "note": note} for name, (ok, note) in schedules.items()}
+    info["pipeline note"] = ("PP > 1 only (PP = 1: a notice, stock runs); interleaved (virtual) pipelines are "
+                             "refused at start")
     info["transformer-engine note"] = (
         "present: only Megatron's local linears (--transformer-impl local) are patched; "
         "TE's linears are left as they are, and --transformer-impl transformer_engine with "
@@ -81,6 +92,11 @@ def format_report(info: dict) -> str:
     for name, entry in info["backends"].items():
         mark = "yes" if entry["usable"] else "no "
         lines.append(f"    {name:8} {mark}  {entry['note']}")
+    lines += ["", "  --overlap-pp schedules:"]
+    for name, entry in info["pipeline schedules"].items():
+        mark = "yes" if entry["usable"] else "no "
+        lines.append(f"    {name:8} {mark}  {entry['note']}")
+    lines.append(f"    {info['pipeline note']}")
     lines += ["", f"  Transformer Engine: {info['transformer-engine note']}"]
     return "\n".join(lines)
 

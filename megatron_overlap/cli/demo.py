@@ -15,6 +15,9 @@ the other the chosen mode overlapped (plus ``--overlap-tp p2p`` when TP > 1). Th
 calibrated so that a step's transfers take ``--comm-ratio`` x its attention-block compute (and
 GEMMs, with TP > 1). That CP training equals training without CP is shown by the tests
 (tests/test_cp_training.py), not here: one process cannot hold two parallel layouts at once.
+
+``--pp N``: the tiny GPT over an N-stage pipeline, stock 1F1B against ``--overlap-pp zb``
+(``cli/demo_pp.py``).
 """
 
 
@@ -235,6 +238,26 @@ def _refuse_unused(args) -> None:
                              "nothing; drop it or add --tp 2")
 
 
+def _pp_main(args) -> int:
+    """``demo --pp N``: its own model, link and ranks; it reads only --steps, --out, --json,
+    --no-progress."""
+    import json as _json
+
+    from .demo_pp import format_pp_demo, run_pp_demo
+
+    given = [n for n in _given(args, _TRAINING_FLAGS + ("hdp", "hdp_capacity")) if n not in ("steps", "out")]
+    if given:
+        names = ", ".join("--" + n.replace("_", "-").replace("-gbps", "-GBps") for n in given)
+        raise SystemExit(f"demo --pp runs its own pipeline (one rank per stage) and does not read {names}; drop "
+                         f"{'them' if len(given) > 1 else 'it'} (it takes --steps, --out, --json, --no-progress)")
+    result = run_pp_demo(args.pp, steps=args.steps or 8, out_dir=args.out or "runs/demo",
+                         progress=not args.no_progress)
+    print(format_pp_demo(result))
+    if args.json:
+        print(_json.dumps(result))
+    return 0
+
+
 def add_demo_args(parser: argparse.ArgumentParser):
     d = DemoConfig()
     # None defaults: a mode can tell a flag the user gave from one it did not (and refuse it)
@@ -264,6 +287,8 @@ def add_demo_args(parser: argparse.ArgumentParser):
                         "time of a static CP layout vs the HDP plan (same loss and gradients)")
     parser.add_argument("--hdp-max-tokens-per-rank", dest="hdp_capacity", type=int, default=None, metavar="C",
                         help="with --hdp: tokens per rank per micro-batch (default: the demo's)")
+    parser.add_argument("--pp", type=int, default=None, metavar="STAGES",
+                        help="pipeline demo: the tiny GPT over STAGES ranks, stock 1F1B vs --overlap-pp zb")
     parser.add_argument("--out", default=None, help="directory for timeline.png and result.json (default runs/demo)")
     parser.add_argument("--trace", dest="trace_dir", default=None, metavar="DIR",
                         help="also write per-rank Chrome traces of the last step (both modes) to DIR; "
@@ -273,6 +298,8 @@ def add_demo_args(parser: argparse.ArgumentParser):
 
 
 def main(args) -> int:
+    if getattr(args, "pp", None):
+        return _pp_main(args)
     _refuse_unused(args)
     if getattr(args, "hdp", False):
         from .demo_hdp import DEFAULT_CAPACITY, run_hdp_demo

@@ -37,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_attention_args(bench_sub.add_parser(
         "attention", help="ring attention fwd+bwd (context parallelism), overlapped vs waited, emulated link"))
+    from .bench_pp import add_pp_args
+
+    add_pp_args(bench_sub.add_parser(
+        "pp", help="pipeline schedules (PP stages, one rank each): stock 1F1B vs ours, emulated link"))
     from .bench_hdp import add_hdp_args
 
     add_hdp_args(bench_sub.add_parser(
@@ -89,6 +93,10 @@ def main(argv=None) -> int:
         from .demo import main as demo_main
 
         return demo_main(args)
+    if args.command == "bench" and args.bench == "pp":
+        from .bench_pp import pp_main
+
+        return pp_main(args)
     if args.command == "bench" and args.bench == "hdp":
         from .bench_hdp import hdp_main
 

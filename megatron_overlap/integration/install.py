@@ -84,6 +84,7 @@ class Installation:
         self.ring_options = ring_options or RingOptions()
         self.tp = None  # tp.plan.TPPlanner while TP overlap runs
         self.tp_overlap = False  # whether the linears run TP overlap
+        self.pp_observer = None  # (stage, action, start, end) after each pipeline action (benchmarks)
         self.wgrad = None  # tp.wgrad_store.WgradStore while TP overlap runs
         self.prefetch = PrefetchRegistry()
         self.checked: set = set()

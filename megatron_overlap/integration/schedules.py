@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import time
 import torch
 import torch.distributed as dist
 
@@ -144,19 +145,33 @@ class _Run:
         sync = _GradSync(config)
         sync.disable()
         last_b = self.m - 1
+        observe = self.inst.pp_observer
         for action in self.schedule.actions[self.stage]:
             if action.op == B and action.mb == last_b and (config.grad_sync_func is None or self.stage == 0):
                 sync.enable()
-            self._run(action)
+            if observe is None:
+                self._run(action)
+            else:
+                t0 = time.perf_counter()
+                self._run(action)
+                observe(self.stage, action, t0, time.perf_counter())
         if not self.forward_only and sync.context is not None:  # as stock: forward-only leaves it entered
             sync.enable()
             if config.grad_sync_func is not None:
                 config.grad_sync_func(self.model.parameters())
         if config.finalize_model_grads_func is not None and not self.forward_only:
             schedules.finish_embedding_wgrad_compute(config, embedding, self.last, self.tp_group)
-            config.finalize_model_grads_func(
-                [self.model], self.total_tokens if config.calculate_per_token_loss else None,
-                pg_collection=self.pg_collection or _default_collection(self), force_all_reduce=force_all_reduce)
+            try:
+                config.finalize_model_grads_func(
+                    [self.model], self.total_tokens if config.calculate_per_token_loss else None,
+                    pg_collection=self.pg_collection or _default_collection(self), force_all_reduce=force_all_reduce)
+            except RuntimeError as exc:
+                if not _timed_out(exc):
+                    raise
+                raise RuntimeError(
+                    f"megatron-overlap pipeline stage {self.stage}: the data-parallel gradient sync after the "
+                    f"schedule did not complete (a data-parallel peer is silent or failed); the group's timeout "
+                    f"bounds the wait: {exc}") from exc
         if config.timers is not None:
             config.timers("forward-backward").stop()
         return self.data
@@ -224,7 +239,7 @@ class _Run:
             except RuntimeError as exc:
                 raise RuntimeError(
                     f"megatron-overlap pipeline stage {self.stage}: {c} did not complete "
-                    f"({'the peer stage is silent or failed' if 'imeout' in str(exc) else exc}); "
+                    f"({'the peer stage is silent or failed: ' if _timed_out(exc) else ''}{exc}); "
                     f"the pipeline group's timeout bounds every wait") from exc
         buf = self.buffers.pop(c)
         if c.op == RECV and c.kind == ACT:
@@ -234,6 +249,12 @@ class _Run:
         elif c.kind == ACT:
             output = self.outputs[c.mb] if not self.forward_only else self.outputs.pop(c.mb)
             self.schedules.deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """gloo says "Timed out", NCCL's watchdog "Timeout"."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
 
 
 class _GradSync:

@@ -40,8 +40,14 @@ class PipelineTrainer:
         self.start = [p.detach().clone() for p in self.ddp.module.parameters()]
 
     def reset(self) -> None:
+        self.load(self.start)
+
+    def state(self) -> list:
+        return [p.detach().clone() for p in self.ddp.module.parameters()]
+
+    def load(self, state: list) -> None:
         with torch.no_grad():
-            for p, x in zip(self.ddp.module.parameters(), self.start):
+            for p, x in zip(self.ddp.module.parameters(), state):
                 p.copy_(x)
 
     def microbatches(self, step: int):
@@ -49,9 +55,12 @@ class PipelineTrainer:
         return iter([tiny_gpt.batch(spec, step * m + i) for i in range(m)])
 
     def step(self, step: int, lr: float = 1e-2, forward_only: bool = False,
-             on_grads: Optional[Callable[[list], None]] = None) -> float:
+             on_grads: Optional[Callable[[list], None]] = None, around=None) -> float:
         """One step: the pipeline schedule over the micro-batches, SGD on ``main_grad``; the
-        global mean loss (the same on every rank)."""
+        global mean loss (the same on every rank). ``around``: a context manager entered for
+        the schedule call only (the benchmark's timers and memory hooks)."""
+        import contextlib
+
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -68,10 +77,11 @@ class PipelineTrainer:
 
             return output, loss_func
 
-        data = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=self.microbatches(step), model=[self.ddp],
-            num_microbatches=self.setup.microbatches, seq_length=spec.seq, micro_batch_size=spec.micro_batch,
-            forward_only=forward_only)
+        with around if around is not None else contextlib.nullcontext():
+            data = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=self.microbatches(step), model=[self.ddp],
+                num_microbatches=self.setup.microbatches, seq_length=spec.seq, micro_batch_size=spec.micro_batch,
+                forward_only=forward_only)
         if not forward_only:
             if on_grads is not None:
                 on_grads([p.main_grad.detach().clone() for p in self.ddp.module.parameters()])

@@ -43,10 +43,10 @@ def _state_names(parallel_state) -> list:
     return [n for n in vars(parallel_state) if n.startswith("_") and n[1:2].isupper()]
 
 
-def init_parallel(tp: int, seed: int = 1234, cp: int = 1, pp: int = 1) -> None:
+def init_parallel(tp: int, seed: int = 1234, cp: int = 1, pp: int = 1, timeout_minutes: float = None) -> None:
     """(Re)initialise Megatron's parallel state with TP=tp, CP=cp, PP=pp, DP=world/(tp*cp*pp),
     and seed its RNGs. A layout seen before in this process gets its groups back instead of new
-    ones."""
+    ones. ``timeout_minutes``: the groups' timeout (Megatron's ``distributed_timeout_minutes``)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -57,8 +57,9 @@ def init_parallel(tp: int, seed: int = 1234, cp: int = 1, pp: int = 1) -> None:
     else:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+        kw = {} if timeout_minutes is None else {"distributed_timeout_minutes": timeout_minutes}
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                                 pipeline_model_parallel_size=pp)
+                                                 pipeline_model_parallel_size=pp, **kw)
         _LAYOUTS[key] = {name: getattr(parallel_state, name) for name in _state_names(parallel_state)}
     model_parallel_cuda_manual_seed(seed)
 

@@ -9,7 +9,8 @@ parallelism, no recomputation; Korthikanti et al. 2022, "Reducing Activation Rec
     s * b * h * (34 + 5 * a * s / h) / t   bytes
 
 scaled by the activation dtype (x2 for fp32) and divided by the context-parallel size (its
-``s`` is the rows a rank holds). An estimate: ``bench pp`` prints it beside what saved-tensor
+``s`` is the rows a rank holds); with flash attention the score term ``5 a s / h`` is not
+kept. An estimate: ``bench pp`` prints it beside what saved-tensor
 hooks measure.
 """
 
@@ -19,9 +20,12 @@ from ..errors import OverlapConfigError
 
 
 def layer_activation_bytes(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, cp: int = 1,
-                           dtype_bytes: int = 2) -> float:
+                           dtype_bytes: int = 2, flash: bool = False) -> float:
+    """``flash``: the attention keeps no score matrix (flash / fused attention, as Transformer
+    Engine runs it), so the ``5 a s / h`` term goes; Megatron's local attention keeps it."""
     s = seq / cp
-    return s * micro_batch * hidden * (34 + 5 * heads * s / hidden) / tp * dtype_bytes / 2
+    scores = 0.0 if flash else 5 * heads * s / hidden
+    return s * micro_batch * hidden * (34 + scores) / tp * dtype_bytes / 2
 
 
 def stage_activation_bytes(config, seq: int, micro_batch: int, stages: int) -> float:

@@ -60,7 +60,8 @@ def deferred_weight_gradient(weight: torch.Tensor, grad_output: torch.Tensor, to
     """Stock's return value now (the dummy, ``grad_added_to_main_grad``); ``main_grad +=
     grad_output^T @ total_input`` pushed to ``store`` (``tp.wgrad_store``)."""
     main_grad = weight.main_grad  # this use's buffer, as restored from ctx by the caller
-    store.push(weight, lambda: _fused_accumulate(total_input, grad_output, main_grad))
+    nbytes = total_input.untyped_storage().nbytes() + grad_output.untyped_storage().nbytes()
+    store.push(weight, lambda: _fused_accumulate(total_input, grad_output, main_grad), nbytes)
     return weight_gradient(weight, None, None, True, like)
 
 

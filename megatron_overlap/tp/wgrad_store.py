@@ -48,15 +48,18 @@ class WgradStore:
         self._drain_queued = False
         self._microbatch: Optional[int] = None  # the B being held for its W (``hold_for``)
         self._held: dict = {}  # micro-batch -> [(param, fn)], for its W
+        self._held_bytes: dict = {}  # micro-batch -> bytes its held tasks keep alive
         self.ran = 0  # tasks run so far (tests count them)
 
     def __len__(self) -> int:
         return len(self._tasks)
 
-    def push(self, param: torch.Tensor, fn: Callable[[], None]) -> None:
-        """Keep ``fn`` (the wgrad of ``param``) for later. Call from inside a backward pass."""
+    def push(self, param: torch.Tensor, fn: Callable[[], None], nbytes: int = 0) -> None:
+        """Keep ``fn`` (the wgrad of ``param``; ``nbytes``: what it keeps alive) for later. Call
+        from inside a backward pass."""
         if self._microbatch is not None:
             self._held.setdefault(self._microbatch, []).append((param, fn))
+            self._held_bytes[self._microbatch] = self._held_bytes.get(self._microbatch, 0) + nbytes
             return
         self._tasks.append((self._pushed, param, fn))
         self._pushed += 1
@@ -96,6 +99,7 @@ class WgradStore:
         """Run micro-batch ``microbatch``'s held wgrads, in the order they were pushed (the
         backward's order, as stock runs them); returns how many ran."""
         tasks = self._held.pop(microbatch, [])
+        self._held_bytes.pop(microbatch, None)
         with torch.no_grad():  # as inside the backward pass the tasks came from
             for param, fn in tasks:
                 fn()
@@ -105,6 +109,10 @@ class WgradStore:
 
     def held_microbatches(self) -> list:
         return sorted(self._held)
+
+    def held_bytes(self) -> int:
+        """Bytes kept alive for W by micro-batches whose B has finished."""
+        return sum(n for mb, n in self._held_bytes.items() if mb != self._microbatch)
 
     def after(self, param: torch.Tensor, callback: Callable[[], None]) -> None:
         """Run ``callback`` once every task of ``param`` has run (now, if none is pending)."""

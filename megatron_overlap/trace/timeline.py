@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COLORS = {"compute": "#4C72B0", "link": "#DD8452", "blocked": "#C44E52"}
-LABELS = {"compute": "compute", "link": "link busy (transfer)", "blocked": "blocked on communication"}
+COLORS = {"compute": "#4C72B0", "link": "#DD8452", "blocked": "#C44E52",
+          "forward": "#4C72B0", "backward": "#55A868", "wgrad": "#8172B3"}
+LABELS = {"compute": "compute", "link": "link busy (transfer)", "blocked": "blocked on communication",
+          "forward": "F (forward)", "backward": "B (backward; with W unless split)", "wgrad": "W (weight gradients)"}
 
 
 @dataclass
@@ -78,8 +80,10 @@ def draw(panels: list[Panel], path: str, title: str = "", columns: int = 2) -> s
         ax.grid(axis="x", alpha=0.3)
     for index in range(len(panels), nrows * columns):
         axes[index // columns][index % columns].axis("off")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in COLORS]
-    fig.legend(handles, [LABELS[k] for k in COLORS], loc="lower center", ncol=3, fontsize=8, frameon=False)
+    used = [k for k in COLORS if any(kind == k for panel in panels for _l, kind, _i in panel.rows)]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in used]
+    fig.legend(handles, [LABELS[k] for k in used], loc="lower center", ncol=min(len(used), 4), fontsize=8,
+               frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.05, 1, 0.97))

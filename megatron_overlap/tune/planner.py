@@ -32,6 +32,7 @@ class Plan:
     hardware: object
     ranked: list  # applicable StrategyResults, fastest first
     not_applicable: list  # StrategyResults with .reason
+    pipeline: list = None  # PP > 1, training: tune.pipeline.ScheduleResults with the best TP strategy
 
     @property
     def best(self) -> StrategyResult:
@@ -48,7 +49,12 @@ class Plan:
 def make_plan(model: ModelSpec, run: RunSpec, hw, strategies: list = None) -> Plan:
     results = [simulate(model, run, hw, s) for s in (strategies or candidates(run))]
     ranked = sorted((r for r in results if r.applicable), key=lambda r: (r.step_ms, r.strategy.name != "megatron"))
-    return Plan(model, run, hw, ranked, [r for r in results if not r.applicable])
+    pipeline = None
+    if run.pp > 1 and run.training and ranked:
+        from .pipeline import simulate_schedules
+
+        pipeline = simulate_schedules(model, run, hw, ranked[0].strategy)
+    return Plan(model, run, hw, ranked, [r for r in results if not r.applicable], pipeline)
 
 
 def describe_run(run: RunSpec) -> str:
@@ -89,6 +95,13 @@ def format_plan(plan: Plan) -> str:
     if other:
         lines.append("other exposed communication per step (stock): "
                      + ", ".join(f"{k.upper()} {v:.2f} ms" for k, v in sorted(other.items())))
+    if plan.pipeline:
+        from .pipeline import format_schedules
+
+        best = min(plan.pipeline, key=lambda r: r.step_ms)
+        lines += ["", f"with {plan.best.name} inside each stage, " + format_schedules(plan.pipeline),
+                  f"best schedule: {best.label} ({plan.pipeline[0].step_ms / best.step_ms:.2f}x stock 1F1B)  ->  "
+                  f"{best.flags or '(stock)'}"]
     return "\n".join(lines)
 
 
@@ -102,6 +115,7 @@ def plan_json(plan: Plan) -> dict:
         "strategies": [r.as_dict() for r in plan.ranked],
         "not_applicable": [{"name": r.name, "reason": r.reason} for r in plan.not_applicable],
         "best": plan.best.name,
+        "pipeline": [vars(r) for r in plan.pipeline] if plan.pipeline else None,
     }
 
 

@@ -1,0 +1,221 @@
+"""``megatron-overlap bench pp``: Megatron's 1F1B against each of our pipeline schedules on the
+same emulated link, in one run.
+
+PP stages, one gloo rank per stage and per core, the tiny GPT split over them, m micro-batches
+per step; stage-to-stage transfers through the emulated link, calibrated so a stage's transfers
+take ``--comm-ratio`` (0.2) of its compute per step. Each round runs stock and each of ours
+(order reversed every other round); medians over rounds. Per schedule:
+
+    step ms          the slowest stage's wall time of the schedule call
+    bubble           idle / step, idle = step - busy (busy: the rank's thread CPU time)
+    exposed P2P ms   time the stages sat blocked on the link (the link's own waits)
+    peak act MB      bytes autograd held for backward (saved-tensor hooks; distinct storages),
+                     plus what waits for a W, at the peak, on the stage with the most
+    predicted ms     the schedule simulated (pp/simulate.py) from this run's F, B, W times per
+                     stage and the link's transfer time: simulated, beside the measurement
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, fields
+
+from ..lab.pp_bench import MODES, PPBench
+
+NAMES = {"stock": "stock Megatron 1F1B", "1f1b": "1f1b (async P2P)", "1f1b-inflight": "1f1b, K = 2p-1 in flight",
+         "zb": "zb (ZB-H1)"}
+
+
+def run(cfg: PPBench, progress: bool = True, timeline_png: str = "") -> dict:
+    from tqdm import tqdm
+
+    from ..lab.pp_bench import PPBenchRanks
+    from ..lab.rank_pool import RankPool
+    from ..lab.session import RemoteSession
+
+    rounds = []
+    total = cfg.warmup + cfg.steps
+    with RankPool(cfg.pp, timeout=1800, threads_per_rank=1) as pool:
+        bar = tqdm(total=total + 1, desc="bench pp (calibrate, then stock and ours per round)", unit="round",
+                   disable=not progress)
+        ranks = RemoteSession(pool, PPBenchRanks, asdict(cfg))
+        described = ranks.call("describe")
+        bar.update(1)
+        for index in range(total):
+            per_rank = ranks.call("round", index, bool(timeline_png) and index == total - 1)
+            if index >= cfg.warmup:
+                rounds.append(per_rank)
+            bar.update(1)
+        bar.close()
+        ranks.close()
+    result = summarize(cfg, rounds, described)
+    if timeline_png:
+        result["timeline_png"] = draw_timeline(rounds[-1], described, cfg, timeline_png)
+    return result
+
+
+def predict(cfg: PPBench, described: list) -> dict:
+    from ..pp import build
+    from ..pp.simulate import LinkCost, StageTimes, simulate
+
+    times = [StageTimes(d["times_ms"]["F"], d["times_ms"]["B"], d["times_ms"]["W"]) for d in described]
+    link = LinkCost(transfer_ms=described[0]["transfer_ms"], latency_ms=described[0]["link"]["latency_us"] * 1e-3)
+    kinds = {"stock": ("megatron", 0), "1f1b": ("1f1b", 0),
+             "1f1b-inflight": ("1f1b", min(cfg.microbatches, 2 * cfg.pp - 1)), "zb": ("zb", 0)}
+    out = {}
+    for mode, (kind, k) in kinds.items():
+        sim = simulate(build(kind, cfg.pp, cfg.microbatches, k), times, link)
+        free = simulate(build(kind, cfg.pp, cfg.microbatches, k), times, LinkCost(transfer_ms=0.0, latency_ms=0.0))
+        out[mode] = {"step_ms": sim.step_ms, "bubble": sim.bubble, "p2p_exposed_ms": sim.step_ms - free.step_ms,
+                     "free_bubble": free.bubble, "critical": 1 - max(sim.busy_ms) / sim.step_ms,
+                     "free_critical": 1 - max(free.busy_ms) / free.step_ms, "simulation": sim}
+    return out
+
+
+def summarize(cfg: PPBench, rounds: list, described: list) -> dict:
+    pred = predict(cfg, described)
+    result = {"config": asdict(cfg), "link": described[0]["link"],
+              "times_ms": [d["times_ms"] for d in described], "modes": {}}
+    for mode in MODES:
+        step = [1e3 * max(r[mode]["wall_s"] for r in per_rank) for per_rank in rounds]
+        bubble = [statistics.mean(1 - r[mode]["busy_s"] / max(x[mode]["wall_s"] for x in per_rank) for r in per_rank)
+                  for per_rank in rounds]
+        # exposed P2P: the step minus the same schedule's step on a free link, same round
+        exposed = [1e3 * (max(r[mode]["wall_s"] for r in per_rank) - max(r[mode]["free_wall_s"] for r in per_rank))
+                   for per_rank in rounds]
+        free_bubble = [statistics.mean(1 - r[mode]["free_busy_s"] / max(x[mode]["free_wall_s"] for x in per_rank)
+                                       for r in per_rank) for per_rank in rounds]
+        blocked = [1e3 * max(r[mode]["blocked_s"] for r in per_rank) for per_rank in rounds]
+        # the slowest stage's idle / step: the pipeline's own bubble, without the idle of a
+        # lighter stage waiting for a heavier one (stage imbalance, which no schedule removes)
+        critical = [1 - max(r[mode]["busy_s"] for r in per_rank) / max(r[mode]["wall_s"] for r in per_rank)
+                    for per_rank in rounds]
+        free_critical = [1 - max(r[mode]["free_busy_s"] for r in per_rank) / max(r[mode]["free_wall_s"]
+                                                                                  for r in per_rank)
+                         for per_rank in rounds]
+        peak = [max(r[mode]["peak_bytes"] for r in per_rank) for per_rank in rounds]
+        result["modes"][mode] = {
+            "step_ms": statistics.median(step), "bubble": statistics.median(bubble),
+            "p2p_exposed_ms": statistics.median(exposed), "peak_bytes": max(peak),
+            "free_link_bubble": statistics.median(free_bubble), "blocked_ms": statistics.median(blocked),
+            "critical_bubble": statistics.median(critical), "free_link_critical_bubble": statistics.median(free_critical),
+            "predicted_critical_bubble": pred[mode]["critical"], "predicted_free_link_critical_bubble":
+                pred[mode]["free_critical"],
+            "predicted_free_link_bubble": pred[mode]["free_bubble"],
+            "loss": rounds[-1][0][mode]["loss"], "bytes": sum(r[mode]["link_bytes"] for r in rounds[-1]),
+            "predicted_step_ms": pred[mode]["step_ms"], "predicted_bubble": pred[mode]["bubble"],
+            "predicted_p2p_exposed_ms": pred[mode]["p2p_exposed_ms"],
+            "speedup": statistics.median(
+                max(r["stock"]["wall_s"] for r in per_rank) / max(r[mode]["wall_s"] for r in per_rank)
+                for per_rank in rounds),
+        }
+    stock = result["modes"]["stock"]
+    for mode, r in result["modes"].items():
+        r["bubble_vs_stock"] = r["bubble"] / stock["bubble"] if stock["bubble"] else None
+        for key in ("free_link_bubble", "critical_bubble", "free_link_critical_bubble"):
+            r[key + "_vs_stock"] = r[key] / stock[key] if stock[key] else None
+        r["p2p_vs_stock"] = r["p2p_exposed_ms"] / stock["p2p_exposed_ms"] if stock["p2p_exposed_ms"] else None
+        r["memory_vs_stock"] = r["peak_bytes"] / stock["peak_bytes"] if stock["peak_bytes"] else None
+        r["prediction_error"] = r["predicted_step_ms"] / r["step_ms"] - 1
+    return result
+
+
+def format_table(result: dict) -> str:
+    cfg = result["config"]
+    t = result["times_ms"]
+    lines = [
+        f"PP={cfg['pp']}, m={cfg['microbatches']}, tiny GPT ({cfg['layers']} layers, hidden {cfg['hidden']}, ffn "
+        f"{cfg['ffn']}, seq {cfg['seq']}), fp32, 1 rank per stage, {cfg['steps']} rounds (medians)",
+        f"link: {result['link']['bandwidth_GBps']:.4f} GB/s, {result['link']['latency_us']:.0f} us (stage transfers = "
+        f"{cfg['comm_ratio']} x a stage's compute); F/B/W ms per micro-batch: "
+        + "; ".join(f"stage {s}: {x['F']:.1f}/{x['B']:.1f}/{x['W']:.1f}" for s, x in enumerate(t)),
+        "",
+        f"{'':26}{'step ms':>9}{'vs stock':>9}{'bubble':>8}{'(x stock)':>10}{'slowest':>9}{'(x stock)':>10}"
+        f"{'exposed P2P':>12}{'(x stock)':>10}{'peak act MB':>12}{'(x stock)':>10}{'predicted':>10}{'error':>7}",
+    ]
+    ratio = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
+    for mode, r in result["modes"].items():
+        lines.append(
+            f"{NAMES[mode]:26}{r['step_ms']:>9.1f}{r['speedup']:>8.2f}x{100 * r['bubble']:>7.1f}%"
+            f"{ratio(r['bubble_vs_stock']):>10}{100 * r['critical_bubble']:>8.1f}%{ratio(r['critical_bubble_vs_stock']):>10}"
+            f"{r['p2p_exposed_ms']:>10.1f}ms{ratio(r['p2p_vs_stock']):>10}"
+            f"{r['peak_bytes'] / 1e6:>12.1f}{ratio(r['memory_vs_stock']):>10}{r['predicted_step_ms']:>10.1f}"
+            f"{100 * r['prediction_error']:>+6.1f}%")
+    lines.append("on a free link (the schedule alone), bubble / slowest stage's: " + "; ".join(
+        f"{NAMES[m]} {100 * r['free_link_bubble']:.1f}% / {100 * r['free_link_critical_bubble']:.1f}% "
+        f"(x{ratio(r['free_link_critical_bubble_vs_stock'])})" for m, r in result["modes"].items()))
+    lines.append("simulated (pp/simulate.py, from this run's F/B/W and link): " + "; ".join(
+        f"{NAMES[m]} bubble {100 * r['predicted_bubble']:.1f}%, slowest {100 * r['predicted_critical_bubble']:.1f}% "
+        f"(free link {100 * r['predicted_free_link_critical_bubble']:.1f}%), exposed P2P "
+        f"{r['predicted_p2p_exposed_ms']:.1f} ms" for m, r in result["modes"].items()))
+    lines.append("bubble: mean idle / step over the stages (idle = step - thread CPU time); slowest: the slowest "
+                 "stage's idle / step (imbalance left out); exposed P2P: step - the same schedule's step on a free "
+                 "link (same round); peak act: saved tensors + held for W")
+    losses = {r["loss"] for r in result["modes"].values()}
+    lines.append(f"losses of the last round: {'identical' if len(losses) == 1 else sorted(losses)}")
+    return "\n".join(lines)
+
+
+def draw_timeline(per_rank: list, described: list, cfg: PPBench, path: str, modes=("stock", "1f1b", "zb")) -> str:
+    """Ours measured (F, B, W and link waits per stage); stock's 1F1B simulated from the same
+    F/B/W times (its schedule is Megatron's code, which exposes no per-action timing)."""
+    from ..trace import timeline
+
+    kinds = {"F": "forward", "B": "backward", "W": "wgrad"}
+    panels = []
+    width = max(1e3 * max(r[m]["wall_s"] for r in per_rank) for m in modes)
+    for mode in modes:
+        rows = []
+        if mode == "stock":
+            sim = predict(cfg, described)["stock"]["simulation"]
+            for s, events in enumerate(sim.timeline):
+                for op in "FB":
+                    rows.append((f"stage {s} {op}", kinds[op], [(a, b) for label, a, b in events if label[0] == op]))
+            panels.append(timeline.Panel("stock Megatron 1F1B (simulated from the measured F/B/W)", width, rows))
+            continue
+        for s, r in enumerate(per_rank):
+            trace = r[mode]["trace"]
+            for op in ("FBW" if mode == "zb" else "FB"):
+                rows.append((f"stage {s} {op}", kinds[op],
+                             [(1e3 * a, 1e3 * b) for o, a, b in trace["events"] if o == op]))
+            rows.append((f"stage {s} blocked", "blocked", [(1e3 * a, 1e3 * b) for a, b in trace["blocked"]]))
+        panels.append(timeline.Panel(f"{NAMES[mode]} (measured)", width, rows))
+    return timeline.draw(panels, path, title=f"pipeline PP={cfg.pp}, m={cfg.microbatches}: one step per stage",
+                         columns=1)
+
+
+def add_pp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    defaults = PPBench()
+    for f in fields(PPBench):
+        if f.name == "seed":
+            continue
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)),
+                            default=getattr(defaults, f.name))
+    parser.add_argument("--timeline", default="", metavar="PNG", help="draw one step per stage to PNG")
+    parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def pp_main(args) -> int:
+    values = {f.name: getattr(args, f.name) for f in fields(PPBench) if hasattr(args, f.name)}
+    cfg = PPBench(**values)
+    if cfg.pp < 2 or cfg.microbatches < cfg.pp:
+        print(f"bench pp: needs --pp >= 2 and --microbatches >= --pp, got {cfg.pp} and {cfg.microbatches}",
+              file=sys.stderr)
+        return 2
+    if cfg.layers % cfg.pp:
+        print(f"bench pp: --layers {cfg.layers} does not split over {cfg.pp} stages", file=sys.stderr)
+        return 2
+    result = run(cfg, progress=not args.no_progress, timeline_png=args.timeline)
+    print(format_table(result))
+    if args.timeline:
+        print(f"timeline: {result['timeline_png']}")
+    if args.json:
+        for r in result["modes"].values():
+            r.pop("simulation", None)
+        print(json.dumps(result))
+    return 0
