@@ -596,3 +596,28 @@ def gpt_losses_fused_wgrad(tp: int, steps: int, flags: list[str], overlap_grad_r
         return {"losses": losses, "ran": store.ran, "left": len(store)}
     finally:
         _install([])
+
+
+def gpt_losses_with_dropout(tp: int, steps: int, flags: list[str], cache_dir: str) -> dict:
+    """The tiny GPT with dropout on (hidden and attention), from the same seed, under
+    ``flags``; the autotune cache in ``cache_dir`` (fresh when it does not exist yet). The
+    losses, and how many shapes the autotuner measured (0 without it)."""
+    import os
+
+    from megatron_overlap.lab import tiny_gpt
+
+    os.environ["MEGATRON_OVERLAP_CACHE"] = f"{cache_dir}/rank{dist.get_rank()}"
+    torch.manual_seed(1234)  # dropout draws from the default generator: same start for every run
+    _install(flags)
+    try:
+        losses = tiny_gpt.train(tiny_gpt.TinyGPT(), tp=tp, steps=steps, hidden_dropout=0.1, attention_dropout=0.1)
+        import glob
+        import json
+
+        entries = 0
+        for path in glob.glob(f"{cache_dir}/rank{dist.get_rank()}/tp_plans.json"):
+            entries = len(json.load(open(path)))
+        return {"losses": losses, "entries": entries}
+    finally:
+        _install([])
+        os.environ.pop("MEGATRON_OVERLAP_CACHE", None)

@@ -157,3 +157,21 @@ def test_auto_honours_an_explicit_decomposition(monkeypatch, caplog):
     monkeypatch.setattr(linears, "_cuda_device_name", lambda: None)
     inst = megatron_overlap.install(_llama70b_args("--overlap-tp-bidirectional"))
     assert inst.config.tp.mode == "p2p" and inst.config.tp.bidirectional
+
+
+def test_fresh_cache_autotune_leaves_training_untouched(pool4, tmp_path):
+    """Dropout on: a run that measures every shape (empty cache) trains exactly like one
+    that does not autotune, and like one that reads the cache the first run wrote; the
+    measurements draw from a private generator, never the default one dropout uses."""
+    flags = ["--overlap-tp", "p2p"]
+    plain = pool4.run(rank_fns.gpt_losses_with_dropout, 2, 3, flags, str(tmp_path / "none"))
+    fresh = pool4.run(rank_fns.gpt_losses_with_dropout, 2, 3, flags + ["--overlap-autotune"], str(tmp_path / "c"))
+    cached = pool4.run(rank_fns.gpt_losses_with_dropout, 2, 3, flags + ["--overlap-autotune"], str(tmp_path / "c"))
+    stock = pool4.run(rank_fns.gpt_losses_with_dropout, 2, 3, [], str(tmp_path / "none"))
+    for p, f, c, s in zip(plain, fresh, cached, stock):
+        assert f["entries"] > 0 and p["entries"] == 0, (p, f)  # the fresh run measured and wrote the cache
+        assert f["losses"] == p["losses"] == c["losses"] == s["losses"], (p, f, c, s)
+    assert len({tuple(r["losses"]) for r in plain}) == 1  # one loss per step, the same on every rank
+    # dropout is on: the losses differ from a run without it (so the RNG stream is in play)
+    no_dropout = pool4.run(rank_fns.gpt_losses, 2, 3, flags, False)
+    assert no_dropout[0] != plain[0]["losses"]
