@@ -621,3 +621,53 @@ def gpt_losses_with_dropout(tp: int, steps: int, flags: list[str], cache_dir: st
     finally:
         _install([])
         os.environ.pop("MEGATRON_OVERLAP_CACHE", None)
+
+
+def stock_spec_losses(tp: int, flags: list[str], steps: int, lab_norm: bool = False) -> dict:
+    """The tiny GPT built from Megatron's own local spec (its norms ``WrappedTorchNorm``, as
+    without apex; ``lab_norm``: the lab's SP norm shim instead), sequence parallel at TP > 1,
+    under ``flags``, trained with Megatron's ``finalize_model_grads`` (which sums the gradients
+    of ``sequence_parallel`` parameters over TP); the losses, or the error the build raised,
+    and whether every norm parameter is marked ``sequence_parallel``."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_overlap.lab import tiny_gpt
+
+    spec = tiny_gpt.TinyGPT()
+    tiny_gpt.init_parallel(tp)
+    _install(flags)
+    try:
+        layer = get_gpt_layer_local_spec(normalization=spec.normalization)
+        block = TransformerBlockSubmodules(layer_specs=[layer] * spec.num_layers, layer_norm=WrappedTorchNorm)
+        try:
+            if lab_norm:
+                model = tiny_gpt.build(spec, tp)
+            else:
+                model = GPTModel(config=tiny_gpt.transformer_config(spec, tp, True), transformer_layer_spec=block,
+                                 vocab_size=spec.vocab, max_sequence_length=spec.seq, position_embedding_type="rope",
+                                 share_embeddings_and_output_weights=False)
+        except AssertionError as exc:
+            return {"error": str(exc)}
+        norms = [p for n, p in model.named_parameters() if "norm" in n]
+        marked = bool(norms) and all(getattr(p, "sequence_parallel", False) for p in norms)
+        ddp = tiny_gpt.wrap_ddp(model, False)
+        losses = []
+        for step in range(steps):
+            tokens, labels, position_ids, mask = tiny_gpt.batch(spec, step)
+            ddp.zero_grad_buffer()
+            loss = ddp(tokens, position_ids, mask, labels=labels).float().mean()
+            loss.backward()
+            finalize_model_grads([ddp])
+            with torch.no_grad():
+                for param in ddp.module.parameters():
+                    param.add_(param.main_grad, alpha=-1e-1)
+            reported = loss.detach().clone()
+            dist.all_reduce(reported)
+            losses.append(reported.item() / dist.get_world_size())
+        return {"losses": losses, "marked": marked, "norms": len(norms)}
+    finally:
+        _install([])

@@ -45,3 +45,18 @@ def test_held_back_wgrads_train_like_stock(pool4, overlap_grad_reduce):
         # 2 layers x (qkv, proj, fc1, fc2) + the output layer: 9 wgrads held back per step
         assert ours[rank]["ran"] == 9 * STEPS and ours[rank]["left"] == 0, ours[rank]
     assert stock[0]["losses"][-1] < stock[0]["losses"][0]
+
+
+def test_sequence_parallel_with_the_torch_norm_without_apex(pool4):
+    """Without apex, Megatron's local spec cannot build a sequence-parallel model (its torch
+    norm asserts); with the plugin installed it does, marks the norm parameters so Megatron
+    sums their gradients over TP, and trains bit for bit as stock Megatron with an SP norm
+    (the lab's shim: apex's math, its parameters marked the same way)."""
+    steps = 3
+    stock = pool4.run(rank_fns.stock_spec_losses, 2, [], steps)
+    assert all("sequence parallel not supported by torch LayerNorm" in r["error"] for r in stock), stock
+    ours = pool4.run(rank_fns.stock_spec_losses, 2, ["--overlap-tp", "p2p"], steps)
+    assert all(r["marked"] and r["norms"] == 2 * 2 + 1 for r in ours), ours  # 2 per layer + the final norm
+    reference = pool4.run(rank_fns.stock_spec_losses, 2, [], steps, True)  # stock linears, the lab's SP norm
+    for r, ref in zip(ours, reference):
+        assert r["losses"] == ref["losses"], (r["losses"], ref["losses"])

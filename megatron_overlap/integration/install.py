@@ -7,6 +7,7 @@
 | ``transformer.dot_product_attention.DotProductAttention.__init__`` / ``.forward`` | ``attention.py`` (``--overlap-cp``, ``--hdp`` -> ``cp``) | Megatron's local attention supports CP |
 | ``distributed.param_and_grad_buffer._ParamAndGradBucketGroup.register_grad_ready`` | ``ddp.py`` (TP overlap: a parameter is ready once its held-back wgrad GEMM ran) | Megatron's DDP learns of wgrads computed after the backward hook |
 | ``megatron.training.training.train_step``                       | ``training.py`` (``--overlap-trace``) | Megatron-LM's loop takes a profiler hook |
+| ``transformer.torch_norm.WrappedTorchNorm.__new__``            | ``norms.py`` (no apex: the torch norm under sequence parallelism, its params marked ``sequence_parallel``) | Megatron's torch norm accepts sequence parallelism |
 | ``pipeline_parallel.get_forward_backward_func`` (also in ``pipeline_parallel.schedules`` and ``megatron.training.training``, which bind it by name) | ``schedules.py`` (``--overlap-pp`` -> ``pp``) | Megatron takes a pluggable pipeline schedule |
 
 The linears' function is also patched, without TP overlap, under ``--overlap-pp zb`` at TP = 1 (weight
@@ -48,6 +49,7 @@ PATCH_POINTS = (
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.register_grad_ready"),
     ("megatron.training.training", "train_step"),
     ("megatron.core.pipeline_parallel.schedules", "get_forward_backward_func"),
+    ("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__"),
 )
 
 
@@ -185,7 +187,7 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
     if not tp_on and not config.trace.enabled and not cp_on and not pp_on:
         return Installation(config, context)
 
-    from . import attention, linears, schedules, training
+    from . import attention, linears, norms, schedules, training
     from ..pp.checks import resolve_auto as resolve_pp
 
     requested = config
@@ -201,6 +203,7 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
         if pp_on:
             schedules.patch(inst)
         attention.patch(inst, forward=cp_on)
+        norms.patch(inst)
         if config.trace.enabled:
             training.patch_train_step(inst)
     except BaseException:

@@ -177,9 +177,12 @@ def batch(spec: TinyGPT, step: int, seed: int = 7):
 
 
 def train_step(ddp_model, spec: TinyGPT, step: int, lr: float = 1e-2) -> float:
-    """One step: forward, per-token loss averaged over the global batch, backward, DDP grad
-    sync, plain SGD on ``main_grad``. Returns the global mean loss."""
+    """One step: forward, per-token loss averaged over the global batch, backward, Megatron's
+    ``finalize_model_grads`` (DDP's grad sync, then the gradients of ``sequence_parallel``
+    parameters, the norms', summed over TP, as Megatron-LM's loop does), plain SGD on
+    ``main_grad``. Returns the global mean loss."""
     from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
 
     tokens, labels, position_ids, mask = batch(spec, step)
     ddp_model.zero_grad_buffer()
@@ -187,7 +190,7 @@ def train_step(ddp_model, spec: TinyGPT, step: int, lr: float = 1e-2) -> float:
     loss = losses.float().mean()
     # DDP averages grads over DP; the loss is a mean per rank, so the result is the global mean.
     loss.backward()
-    ddp_model.finish_grad_sync()
+    finalize_model_grads([ddp_model])
     with torch.no_grad():
         for param in ddp_model.module.parameters():
             param.add_(param.main_grad, alpha=-lr)
