@@ -121,6 +121,7 @@ def _attention_forward(inst, original):
             if attention_bias is not None:
                 raise OverlapConfigError("hdp.enabled", "hybrid data parallelism takes no attention bias")
             scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+            inst.calls["hdp.attention"] += 1
             return cp_attention(query, key, value, mode="ring", causal=_is_causal(mask_type, ring.packed),
                                 group=ring.group, ranks=ring.ranks, softmax_scale=scale,
                                 packed=ring.packed if ring.packed is not None else packed_seq_params)
@@ -131,6 +132,7 @@ def _attention_forward(inst, original):
         if attention_bias is not None:
             raise OverlapConfigError("cp.mode", "context-parallel attention takes no attention bias")
         options = inst.ring_options
+        inst.calls[f"cp.{layer.mode}"] += 1
         return cp_attention(query, key, value, mode=layer.mode, causal=_is_causal(mask_type, packed_seq_params),
                             group=layer.group, softmax_scale=layer.scale, packed=packed_seq_params,
                             a2a_size=layer.a2a_size, overlap=options.overlap, kernel=options.kernel,

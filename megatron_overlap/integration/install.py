@@ -23,6 +23,7 @@ puts into Megatron carries that installation (``MARK``), so ``uninstall()`` and
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import sys
@@ -87,6 +88,8 @@ class Installation:
         self.tp = None  # tp.plan.TPPlanner while TP overlap runs
         self.tp_overlap = False  # whether the linears run TP overlap
         self.pp_observer = None  # (stage, action, start, end) after each pipeline action (benchmarks)
+        # how often each patched path took over a call (tests and diagnostics: proof it ran)
+        self.calls = collections.Counter()
         self.wgrad = None  # tp.wgrad_store.WgradStore while TP overlap runs
         self.prefetch = PrefetchRegistry()
         self.checked: set = set()

@@ -127,6 +127,7 @@ def _column_linear(inst, original):
         group = compat.default_tp_group(call.tp_group)
         if inst.config.pp.split and (group is None or group.size() == 1) and call.grad_output_buffer is None:
             wgrad = WgradOptions(call.gradient_accumulation_fusion)
+            inst.calls["pp.deferred_linear"] += 1
             return DeferredWgradLinear.apply(call.input, call.weight, call.bias, wgrad, inst.wgrad)
         if not call.sequence_parallel or not inst.tp_overlap:
             return original(*args, **kwargs)
@@ -138,6 +139,7 @@ def _column_linear(inst, original):
             return original(*args, **kwargs)
         x = call.input
         wgrad = WgradOptions(call.gradient_accumulation_fusion, call.grad_output_buffer, call.wgrad_deferral_limit)
+        inst.calls["tp.column"] += 1
         return ColumnParallelSP.apply(x, call.weight, call.bias, wgrad, _comm(inst, "column", group, x, call.weight,
                                                                               x.shape[0]))
 
@@ -158,6 +160,7 @@ def _row_forward(inst, original):
         _check_cpu_offloading(self, input_)
         rows = input_.shape[0] // group.size()
         comm = _comm(inst, "row", group, input_, self.weight, rows)
+        inst.calls["tp.row"] += 1
         output_ = RowParallelSP.apply(input_, self.weight, WgradOptions(self.gradient_accumulation_fusion), comm)
         if not self.skip_bias_add:
             output = (output_ + self.bias) if self.bias is not None else output_

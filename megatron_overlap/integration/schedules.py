@@ -71,6 +71,7 @@ def make_executor(inst):
         if unknown:
             raise OverlapConfigError("pp.mode", f"runs a schedule that does not take {sorted(unknown)} (a newer "
                                      "megatron-core?): use `pp.mode` off")
+        inst.calls[f"pp.{inst.config.pp.mode}"] += 1
         run = _Run(inst, schedules, with_model_type, forward_step_func, data_iterator, model, num_microbatches,
                    forward_only, collect_non_loss_data, first_val_step, p2p_communicator, pg_collection)
         run.shapes(seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn)

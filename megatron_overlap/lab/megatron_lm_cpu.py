@@ -1,0 +1,201 @@
+"""Megatron-LM's own ``pretrain_gpt.py`` on a CPU, for the integration tests.
+
+    torchrun --nproc-per-node 2 -m megatron_overlap.lab.megatron_lm_cpu LOSSES.json {stock,plugin} \\
+        path/to/pretrain_gpt.py <Megatron-LM arguments> [<overlap flags>]
+
+Runs the script unmodified (``plugin``: through ``megatron-overlap run``'s hook; ``stock``:
+as it is) after mapping the places where Megatron-LM's training loop assumes CUDA onto the CPU,
+and writes, per rank, the losses Megatron computed at every iteration (the reduced values
+``train_step`` returns, not the ``%.6E`` log line; only the last pipeline stage has them) and
+the plugin's patched calls to ``LOSSES.json.rank<r>``.
+
+The shims, each for one reason (``shared/third_party/megatron-lm/README.md`` lists the facts):
+
+- ``cpu_shims.apply()``: megatron-core's own CUDA calls (buffers on ``current_device()``, the RNG
+  tracker, DDP's streams);
+- ``torch.cuda.device_count() -> 1`` and a no-op ``set_device``: otherwise
+  ``_initialize_distributed`` builds no parallel state and ``_set_random_seed`` seeds no TP RNG;
+- ``initialize_megatron(allow_no_cuda=True)``: it asserts CUDA otherwise;
+- ``_compile_dependencies`` and ``compile_helpers`` skipped: they run ``nvcc`` and build
+  ``helpers_cpp`` (the wheel ships the compiled module);
+- ``_warmup_jit_function`` skipped: it only warms up fused kernels, and on CPU its
+  ``torch.rand(device="cuda")`` draws would shift the initial weights by sequence length and CP;
+- ``get_device_arch_version() -> 9``: ``validate_args`` reads device properties for TP/CP > 1;
+- ``torch.cuda.memory_*`` -> 0 and a wall-clock ``torch.cuda.Event``: ``training_log`` and the
+  timers;
+- a ``TorchFunctionMode`` that puts tensors created with ``device="cuda"`` (or ``.cuda()``,
+  ``pin_memory=True``) on the CPU: dozens of places in ``training.py``, ``utils.py``, the
+  optimizer;
+- ``TORCH_COMPILE_DISABLE=1``: ``megatron.core.jit.jit_fuser`` is ``torch.compile``.
+
+Lab code: it patches the world for a test and is never imported by the product.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint", "empty_like",
+              "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "as_tensor", "eye", "linspace"}
+
+
+def _is_cuda(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True
+    return str(device).startswith("cuda")
+
+
+class _CPUDevices(TorchFunctionMode):
+    """Tensors asked for on ``cuda`` are made on the CPU; ``pin_memory`` is dropped."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if name in _FACTORIES or name in ("to", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"):
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            kwargs.pop("pin_memory", None)
+            if name == "to" and args and len(args) > 1 and _is_cuda(args[1]):
+                args = (args[0], "cpu", *args[2:])
+        if name in ("cuda", "pin_memory"):
+            return args[0]
+        return func(*args, **kwargs)
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        self.t = None
+
+    def record(self, *args, **kwargs):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return 1e3 * (other.t - self.t)
+
+
+def apply() -> None:
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # validate_args asserts it for TP / CP > 1
+    from . import cpu_shims
+
+    cpu_shims.apply()
+    if torch.cuda.is_available():
+        return
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.Event = _Event
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(torch.cuda, name, lambda *a, **k: 0)
+    torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.pin_memory = lambda self, *a, **k: self
+    _CPUDevices().__enter__()  # for the life of the process
+
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.training import arguments, initialize
+
+    dataset_utils.compile_helpers = lambda: None
+    initialize._compile_dependencies = lambda: None
+    initialize._warmup_jit_function = lambda: None
+    arguments.get_device_arch_version = lambda: 9
+    original = initialize.initialize_megatron
+
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    initialize.initialize_megatron = initialize_megatron
+    from megatron.training import training
+
+    training.initialize_megatron = initialize_megatron
+
+
+def _record_losses(path: str) -> None:
+    """Wrap ``train_step`` where ``train`` looks it up: the reduced losses of each iteration,
+    and the plugin's patched calls, go to ``path.rank<r>`` when the process exits."""
+    import atexit
+
+    import torch.distributed as dist
+    from megatron.training import training
+
+    losses: list = []
+    original = training.train_step
+
+    def train_step(*args, **kwargs):
+        out = original(*args, **kwargs)
+        loss_dict = out[0]
+        losses.append({k: float(v) for k, v in loss_dict.items()} if loss_dict else {})
+        return out
+
+    training.train_step = train_step
+
+    def dump():
+        from ..integration.install import find_installation
+
+        inst = find_installation()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with open(f"{path}.rank{rank}", "w") as f:
+            json.dump({"losses": losses, "calls": dict(inst.calls) if inst is not None else {}}, f)
+
+    atexit.register(dump)
+
+
+def _apex_like_norm() -> None:
+    """Stock runs only: the torch norm under sequence parallelism with its parameters marked,
+    as apex's FusedLayerNorm would run it (stock Megatron without apex cannot build SP; the
+    plugin's own patch, ``integration/norms.py``, does this for plugin runs)."""
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    build = WrappedTorchNorm.__dict__["__new__"]
+    build = build.__func__ if isinstance(build, staticmethod) else build
+
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = build(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 3 or argv[1] not in ("stock", "plugin"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    losses, mode, script, rest = argv[0], argv[1], argv[2], argv[3:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    apply()
+    _record_losses(losses)
+    if mode == "plugin":
+        from ..integration.launch import run_script
+
+        run_script(script, rest)
+    else:
+        _apex_like_norm()
+        sys.argv = [os.path.abspath(script), *rest]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
