@@ -107,10 +107,10 @@ def apply() -> None:
     from megatron.core.datasets import utils as dataset_utils
     from megatron.training import arguments, initialize
 
-    dataset_utils.compile_helpers = lambda: None
-    initialize._compile_dependencies = lambda: None
-    initialize._warmup_jit_function = lambda: None
-    arguments.get_device_arch_version = lambda: 9
+    dataset_utils.compile_helpers = lambda *a, **k: None
+    initialize._compile_dependencies = lambda *a, **k: None
+    initialize._warmup_jit_function = lambda *a, **k: None  # 0.19 passes tp_size
+    arguments.get_device_arch_version = lambda *a, **k: 9
     original = initialize.initialize_megatron
 
     def initialize_megatron(*args, **kwargs):
