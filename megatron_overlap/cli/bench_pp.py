@@ -4,15 +4,21 @@ same emulated link, in one run.
 PP stages, one gloo rank per stage and per core, the tiny GPT split over them, m micro-batches
 per step; stage-to-stage transfers through the emulated link, calibrated so a stage's transfers
 take ``--comm-ratio`` (0.2) of its compute per step. Each round runs stock and each of ours
-(order reversed every other round); medians over rounds. Per schedule:
+once on the link and once on a free link (order reversed every other round); medians over
+rounds. Per schedule:
 
     step ms          the slowest stage's wall time of the schedule call
-    bubble           idle / step, idle = step - busy (busy: the rank's thread CPU time)
-    exposed P2P ms   time the stages sat blocked on the link (the link's own waits)
+    bubble           idle / step, mean over the stages (idle = step - the rank's thread CPU time)
+    slowest          the slowest stage's idle / step (a lighter stage's wait for a heavier one,
+                     stage imbalance, left out)
+    exposed P2P ms   step - the same schedule's step on a free link, in the same round
     peak act MB      bytes autograd held for backward (saved-tensor hooks; distinct storages),
                      plus what waits for a W, at the peak, on the stage with the most
     predicted ms     the schedule simulated (pp/simulate.py) from this run's F, B, W times per
                      stage and the link's transfer time: simulated, beside the measurement
+
+Schedules: stock Megatron 1F1B, ``--overlap-pp 1f1b`` (K = p), ``1f1b`` with K = 2p - 1 in
+flight, ``zb`` (ZB-H1).
 """
 
 from __future__ import annotations
