@@ -15,18 +15,17 @@ nothing.
 from __future__ import annotations
 
 import copy
+from typing import Callable, Optional
 
 NOTICE = ("torch norm under sequence parallelism (no apex): per-token, the same math as apex's FusedLayerNorm; its "
           "parameters are marked sequence_parallel so Megatron sums their gradients over TP, as apex's are")
 
 
-def patch(inst) -> None:
-    try:
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    except ImportError:  # a megatron-core without it: nothing to do
-        return
-    original = WrappedTorchNorm.__dict__["__new__"]
-    build = original.__func__ if isinstance(original, staticmethod) else original
+def sequence_parallel_new(build: Callable, on_build: Optional[Callable[[], None]] = None) -> Callable:
+    """A ``WrappedTorchNorm.__new__`` that runs ``build`` (the original) as usual and, under
+    sequence parallelism, on a copy of the config without it, marking the norm's parameters
+    ``sequence_parallel``; ``on_build`` runs after each such build. The lab's stock runs of
+    ``pretrain_gpt.py`` use it too (apex's math, without the plugin)."""
 
     def __new__(cls, config, *args, **kwargs):
         if not getattr(config, "sequence_parallel", False):
@@ -36,7 +35,23 @@ def patch(inst) -> None:
         norm = build(cls, plain, *args, **kwargs)
         for param in norm.parameters():
             param.sequence_parallel = True
-        inst.notice_once("sp-torch-norm", NOTICE)
+        if on_build is not None:
+            on_build()
         return norm
 
-    inst.set_attr(WrappedTorchNorm, "__new__", staticmethod(__new__))
+    return __new__
+
+
+def original_new(cls) -> Callable:
+    """The bare function behind ``cls.__new__`` (a class keeps it wrapped in a staticmethod)."""
+    original = cls.__dict__["__new__"]
+    return original.__func__ if isinstance(original, staticmethod) else original
+
+
+def patch(inst) -> None:
+    try:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    except ImportError:  # a megatron-core without it: nothing to do
+        return
+    new = sequence_parallel_new(original_new(WrappedTorchNorm), lambda: inst.notice_once("sp-torch-norm", NOTICE))
+    inst.set_attr(WrappedTorchNorm, "__new__", staticmethod(new))

@@ -157,24 +157,11 @@ def _apex_like_norm() -> None:
     """Stock runs only: the torch norm under sequence parallelism with its parameters marked,
     as apex's FusedLayerNorm would run it (stock Megatron without apex cannot build SP; the
     plugin's own patch, ``integration/norms.py``, does this for plugin runs)."""
-    import copy
-
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    build = WrappedTorchNorm.__dict__["__new__"]
-    build = build.__func__ if isinstance(build, staticmethod) else build
+    from ..integration.norms import original_new, sequence_parallel_new
 
-    def __new__(cls, config, *args, **kwargs):
-        if not config.sequence_parallel:
-            return build(cls, config, *args, **kwargs)
-        plain = copy.copy(config)
-        plain.sequence_parallel = False
-        norm = build(cls, plain, *args, **kwargs)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-
-    WrappedTorchNorm.__new__ = staticmethod(__new__)
+    WrappedTorchNorm.__new__ = staticmethod(sequence_parallel_new(original_new(WrappedTorchNorm)))
 
 
 def main(argv=None) -> int:
