@@ -36,16 +36,11 @@ def run(cfg: AttentionBench, progress: bool = True) -> dict:
     from ..lab.rank_pool import RankPool
     from ..lab.session import RemoteSession
 
-    rounds = []
     with RankPool(cfg.cp, timeout=1800, threads_per_rank=1) as pool:
         bar = tqdm(total=cfg.warmup + cfg.steps, desc="ring attention (free link, serial, overlapped)",
                    unit="round", disable=not progress)
         ranks = RemoteSession(pool, AttentionBenchRanks, asdict(cfg))
-        for index in range(cfg.warmup + cfg.steps):
-            per_rank = ranks.call("round", index)
-            if index >= cfg.warmup:
-                rounds.append(per_rank)
-            bar.update(1)
+        rounds = ranks.rounds(cfg.warmup, cfg.steps, bar)
         bar.close()
         closing = ranks.close()
     return summarize(cfg, rounds, closing)

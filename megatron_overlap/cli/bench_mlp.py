@@ -32,17 +32,11 @@ def run(cfg: MLPBench, progress: bool = True, timeline_png: str = "") -> dict:
     from ..lab.rank_pool import RankPool
     from ..lab.session import RemoteSession
 
-    rounds = []
     with RankPool(cfg.tp, timeout=1800, threads_per_rank=1) as pool:
         bar = tqdm(total=cfg.warmup + cfg.steps, desc="MLP bench (replay, free link, emulated link)", unit="round",
                    disable=not progress)
         ranks = RemoteSession(pool, MLPBenchRanks, asdict(cfg))
-        total = cfg.warmup + cfg.steps
-        for index in range(total):
-            per_rank = ranks.call("round", index, bool(timeline_png) and index == total - 1)
-            if index >= cfg.warmup:
-                rounds.append(per_rank)
-            bar.update(1)
+        rounds = ranks.rounds(cfg.warmup, cfg.steps, bar, record_last=bool(timeline_png))
         bar.close()
         closing = ranks.close()
     result = summarize(cfg, rounds, closing)

@@ -42,19 +42,13 @@ def run(cfg: PPBench, progress: bool = True, timeline_png: str = "") -> dict:
     from ..lab.rank_pool import RankPool
     from ..lab.session import RemoteSession
 
-    rounds = []
-    total = cfg.warmup + cfg.steps
     with RankPool(cfg.pp, timeout=1800, threads_per_rank=1) as pool:
-        bar = tqdm(total=total + 1, desc="bench pp (calibrate, then stock and ours per round)", unit="round",
+        bar = tqdm(total=cfg.warmup + cfg.steps + 1, desc="bench pp (calibrate, then stock and ours per round)", unit="round",
                    disable=not progress)
         ranks = RemoteSession(pool, PPBenchRanks, asdict(cfg))
         described = ranks.call("describe")
         bar.update(1)
-        for index in range(total):
-            per_rank = ranks.call("round", index, bool(timeline_png) and index == total - 1)
-            if index >= cfg.warmup:
-                rounds.append(per_rank)
-            bar.update(1)
+        rounds = ranks.rounds(cfg.warmup, cfg.steps, bar, record_last=bool(timeline_png))
         bar.close()
         ranks.close()
     result = summarize(cfg, rounds, described)

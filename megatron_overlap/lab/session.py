@@ -14,7 +14,7 @@ starting a second closes the first.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 _LIVE: dict = {}  # lab only: the experiment object of this rank process
 
@@ -49,6 +49,21 @@ class RemoteSession:
 
     def call(self, method: str, *args, **kwargs) -> list:
         return self.pool.run(call, method, *args, **kwargs)
+
+    def rounds(self, warmup: int, steps: int, progress=None, record_last: Optional[bool] = None) -> list:
+        """Every rank's ``round(index)`` for ``warmup + steps`` rounds; the per-rank results of
+        the ``steps`` timed ones. ``record_last`` not None: ``round(index, record)``, with
+        ``record`` true on the last round only when ``record_last`` is. ``progress``: a bar
+        updated once per round."""
+        total, timed = warmup + steps, []
+        for index in range(total):
+            extra = () if record_last is None else (bool(record_last) and index == total - 1,)
+            per_rank = self.call("round", index, *extra)
+            if index >= warmup:
+                timed.append(per_rank)
+            if progress is not None:
+                progress.update(1)
+        return timed
 
     def close(self) -> list:
         self._open = False
