@@ -80,6 +80,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..comm.agree import group_device
 from ..errors import OverlapConfigError
 from .exchange import exchange_rows, gather_lengths
 from .layout import RowLayout, idle_layout, row_layout
@@ -191,8 +192,7 @@ class HdpRuntime:
         self.group, self.adapter = group, adapter
         self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
         if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
+            device = group_device(self.group)
         self.device = torch.device(device)
 
     # -- steps ---------------------------------------------------------------------------------
