@@ -7,7 +7,6 @@ step serve stock Megatron and the plugin, so the only difference between two run
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -67,17 +66,15 @@ def init_parallel(tp: int, seed: int = 1234, cp: int = 1, pp: int = 1, timeout_m
 class _SPNorm:
     """Megatron's torch norm built with sequence parallelism off (it refuses SP, because apex's
     norm is the SP one) and its params marked ``sequence_parallel`` so their grads are
-    all-reduced over TP like apex's would be."""
+    all-reduced over TP like apex's would be (the plugin's own builder, used as a layer spec)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        plain = copy.copy(config)
-        plain.sequence_parallel = False
-        norm = WrappedTorchNorm(plain, hidden_size, eps, **kwargs)
-        for param in norm.parameters():
-            param.sequence_parallel = config.sequence_parallel
-        return norm
+        from ..integration.norms import original_new, sequence_parallel_new
+
+        build = sequence_parallel_new(original_new(WrappedTorchNorm))
+        return build(WrappedTorchNorm, config, hidden_size, eps, **kwargs)
 
 
 def transformer_config(spec: TinyGPT, tp: int, sequence_parallel: bool = True, **overrides):
