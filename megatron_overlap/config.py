@@ -356,6 +356,9 @@ class ModelContext:
     pp_size: Optional[int] = None
     virtual_pp_size: Optional[int] = None
     megatron_pp_flags: tuple = ()  # Megatron's own pipeline-overlap flags that are on
+    documents: Optional[bool] = None  # the GPT dataset marks documents (reset attention mask and positions)
+    per_token_loss: Optional[bool] = None  # calculate_per_token_loss
+    position_embedding: Optional[str] = None
 
     @classmethod
     def from_megatron_args(cls, args: argparse.Namespace) -> "ModelContext":
@@ -375,6 +378,10 @@ class ModelContext:
             virtual_pp_size=get("virtual_pipeline_model_parallel_size") or (
                 "set" if get("num_layers_per_virtual_pipeline_stage") else None),
             megatron_pp_flags=tuple(name for name in MEGATRON_PP_FLAGS if get(name)),
+            documents=None if get("reset_attention_mask") is None else bool(
+                get("reset_attention_mask") and get("reset_position_ids")),
+            per_token_loss=get("calculate_per_token_loss"),
+            position_embedding=get("position_embedding_type"),
         )
 
 

@@ -13,7 +13,7 @@ from megatron_overlap.hdp import schedule_hdp
 from megatron_overlap.hdp.baselines import schedule_static
 from megatron_overlap.hdp.layout import row_layout
 from megatron_overlap.hdp.runtime import HdpRuntime
-from megatron_overlap.hdp.samples import Sample, as_samples
+from megatron_overlap.hdp.samples import Sample, as_samples, split_documents
 
 from . import hdp_rank_fns
 
@@ -155,3 +155,24 @@ def test_demo_static_and_hdp_agree_and_report_per_rank_busy_time():
         assert sorted(d["tokens"]) == sorted(sum(t) for t in plan.tokens_per_microbatch()), name
         assert sorted(d["microbatches"]) == sorted(plan.microbatches_per_rank()), name
     assert any(line.startswith("static CP 4") for line in lines) and any(line.startswith("hdp ") for line in lines)
+
+
+def test_split_documents_cuts_megatron_rows_where_positions_reset():
+    """``--hdp`` through pretrain_gpt.py: a GPT-dataset row with --reset-position-ids holds its
+    documents one after another; each restart of the positions begins a document."""
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [5, 6, 0, 1, 2, 3, 4, 0, 0]])
+    tokens = torch.arange(18).view(2, 9)
+    mask = torch.ones(2, 9)
+    mask[1, 8] = 0
+    docs = split_documents(dict(tokens=tokens, labels=tokens + 1, loss_mask=mask, position_ids=pos,
+                                attention_mask=None))
+    assert [len(d) for d in docs] == [3, 2, 4, 2, 5, 1, 1]
+    assert [int(d.tokens[0]) for d in docs] == [0, 3, 5, 9, 11, 16, 17]
+    assert torch.equal(docs[-1].loss_mask, torch.zeros(1)) and torch.equal(docs[1].labels, torch.tensor([4, 5]))
+    packed = split_documents(dict(tokens=torch.arange(6)[None], labels=torch.arange(6)[None],
+                                  cu_seqlens=torch.tensor([0, 2, 6, -1])))
+    assert [len(d) for d in packed] == [2, 4]
+    with pytest.raises(ValueError, match="without \\['position_ids'\\] cannot be cut into documents"):
+        split_documents(dict(tokens=tokens, labels=tokens))
+    with pytest.raises(ValueError, match="position_ids \\(2, 8\\) do not match tokens \\(2, 9\\)"):
+        split_documents(dict(tokens=tokens, labels=tokens, position_ids=pos[:, :8]))

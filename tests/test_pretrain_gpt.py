@@ -7,7 +7,10 @@ core_v0.16.1 copy); the CPU shims of its training loop are ``lab/megatron_lm_cpu
 
 Tolerances: TP overlap and the pipeline schedules run the same ops on the same tensors in the
 same order at TP = 2 (bit-identical, ``==``); context parallelism against one rank merges the
-attention blocks in another order (online softmax over ring steps): rel. 1e-6."""
+attention blocks in another order (online softmax over ring steps): rel. 1e-6.
+HDP against plain data parallelism over the same packed documents: the same mean over every
+token of a step, summed in another order (per document and ring instead of per sample row):
+rel. 1e-5."""
 
 import functools
 import glob
@@ -16,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -49,7 +53,8 @@ def train(mode: str, ranks: int, flags: tuple) -> dict:
     """One torchrun of pretrain_gpt.py: the last stage's losses and the calls summed over ranks."""
     out = os.path.join(os.environ.get("PYTEST_TMP", "/tmp"), f"pretrain_gpt_{os.getpid()}_{abs(hash((mode, ranks, flags)))}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-           str(_port()), "-m", "megatron_overlap.lab.megatron_lm_cpu", out, mode, SCRIPT, *BASE, *flags]
+           str(_port()), "-m", "megatron_overlap.lab.megatron_lm_cpu", out, mode, SCRIPT,
+           *(a for a in BASE if not (a == "--mock-data" and "--data-path" in flags)), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -85,6 +90,17 @@ def test_context_parallel_ring_trains_like_one_rank():
         assert abs(a - b) <= 1e-6 * abs(b), (ours["losses"], one["losses"])
 
 
+def test_tensor_and_context_parallel_together_train_like_tensor_parallel():
+    """TP=2 x CP=2 on 4 ranks, both overlaps on, against stock TP=2 (CP leaves the initial
+    weights as they are: Megatron seeds its TP RNG by TP rank only)."""
+    stock = train("stock", 2, TP2 + NO_DROPOUT)
+    ours = train("plugin", 4, TP2 + NO_DROPOUT + ("--context-parallel-size", "2", "--overlap-cp", "ring",
+                                                  "--overlap-tp", "p2p"))
+    assert ours["calls"].get("cp.ring", 0) > 0 and ours["calls"].get("tp.column", 0) > 0, ours
+    for a, b in zip(ours["losses"], stock["losses"]):
+        assert abs(a - b) <= 1e-6 * abs(b), (ours["losses"], stock["losses"])
+
+
 @pytest.mark.parametrize("mode", ["1f1b", "zb"])
 def test_pipeline_schedules_train_like_megatrons_1f1b(mode):
     stock = train("stock", 2, PP2)
@@ -105,3 +121,42 @@ def test_plugin_refuses_megatrons_own_cp_path_clearly():
     assert done.returncode != 0
     assert "--attention-dropout: context-parallel attention (--overlap-cp) runs without attention dropout" \
         in done.stderr
+
+
+@functools.lru_cache(maxsize=None)
+def documents_dataset() -> str:
+    """A Megatron indexed dataset (megatron-core's own ``IndexedDatasetBuilder``) of 300 documents
+    of mixed lengths (4 to 400 tokens, long-tailed), each ending in the NullTokenizer's EOD (1024);
+    returns its path prefix."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = os.path.join(tempfile.mkdtemp(prefix="hdp_docs_"), "docs")
+    rng = numpy.random.default_rng(7)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+    for _ in range(300):
+        n = int(min(400, 4 + rng.pareto(1.2) * 30))
+        builder.add_document(torch.from_numpy(numpy.append(rng.integers(0, 1024, n), 1024).astype(numpy.int32)),
+                             [n + 1])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def _packed(*flags) -> tuple:
+    prefix = documents_dataset()
+    return (*NO_DROPOUT, "--data-path", prefix, "--split", "100,0,0", "--data-cache-path",
+            os.path.dirname(prefix), "--reset-position-ids", "--reset-attention-mask", "--calculate-per-token-loss",
+            "--position-embedding-type", "learned_absolute", "--global-batch-size", "8", *flags)
+
+
+def test_hdp_trains_packed_documents_like_data_parallelism():
+    """--hdp through pretrain_gpt.py: each sample cut into its documents, the documents longer
+    than one rank's 64 tokens on rings of two ranks, the losses of plain data parallelism."""
+    stock = train("stock", 2, _packed())
+    ours = train("plugin", 2, _packed("--hdp", "--hdp-max-tokens-per-rank", "64"))
+    calls = ours["calls"]
+    assert calls.get("hdp.step") == 2 * 5 and calls.get("hdp.ring", 0) > 0, calls  # long documents on rings
+    assert calls.get("hdp.attention", 0) > 0 and calls.get("hdp.microbatch", 0) > 2 * 5 * 2, calls
+    for a, b in zip(ours["losses"], stock["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (ours["losses"], stock["losses"])

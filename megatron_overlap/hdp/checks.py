@@ -30,3 +30,16 @@ def check_hdp_model(hdp, ctx) -> None:
         raise OverlapConfigError(
             "hdp.enabled", f"with `megatron.tensor_model_parallel_size` {ctx.tp_size} is not supported yet: the "
             "runtime shards sequences across data-parallel ranks only. Use TP 1 with `hdp.enabled`")
+    if ctx.documents is False:
+        raise OverlapConfigError(
+            "megatron.reset_attention_mask",
+            "`hdp.enabled` gives each document of a packed sample its own ring; Megatron's GPT dataset marks the "
+            "documents only with `megatron.reset_attention_mask` and `megatron.reset_position_ids` (without them a "
+            "sample is one sequence of `megatron.seq_length` tokens, attended across documents, and HDP has nothing "
+            "to balance). Add both")
+    if ctx.per_token_loss is False:
+        raise OverlapConfigError(
+            "megatron.calculate_per_token_loss",
+            "`hdp.enabled` gives ranks different numbers of tokens: add `megatron.calculate_per_token_loss` so "
+            "Megatron sums the gradients over ranks and divides by the step's token count (the mean over all "
+            "tokens, as plain data parallelism computes it)")

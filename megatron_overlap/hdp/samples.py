@@ -74,3 +74,33 @@ def as_samples(item) -> List[Sample]:
         else:
             out.append(_sample(*s))
     return out
+
+
+def split_documents(batch: dict) -> List[Sample]:
+    """The documents of a Megatron GPT batch (``tokens``/``labels``/``loss_mask``/``position_ids``
+    ``[b, s]``, rows of packed documents, as Megatron's ``GPTDataset`` builds them with
+    ``reset_position_ids``): a document starts where a row starts or where its position does not
+    follow the previous one (the reset after each end-of-document token). A batch with
+    ``cu_seqlens`` (packed THD) is cut by those instead (``as_samples``)."""
+    if batch.get("cu_seqlens") is not None:
+        return as_samples(batch)
+    missing = [k for k in ("tokens", "labels", "position_ids") if batch.get(k) is None]
+    if missing:
+        raise ValueError(f"a batch without {missing} cannot be cut into documents (keys: {sorted(batch)})")
+    tokens = torch.as_tensor(batch["tokens"]).cpu()
+    labels = torch.as_tensor(batch["labels"]).cpu()
+    pos = torch.as_tensor(batch["position_ids"]).cpu()
+    mask = batch.get("loss_mask")
+    mask = torch.ones(tokens.shape, dtype=MASK_DTYPE) if mask is None else torch.as_tensor(mask).cpu()
+    if tokens.dim() == 1:
+        tokens, labels, pos, mask = tokens[None], labels[None], pos[None], mask[None]
+    if pos.shape != tokens.shape:
+        raise ValueError(f"position_ids {tuple(pos.shape)} do not match tokens {tuple(tokens.shape)}")
+    out = []
+    for row in range(tokens.shape[0]):
+        p = pos[row]
+        starts = torch.ones_like(p, dtype=torch.bool)
+        starts[1:] = p[1:] != p[:-1] + 1
+        bounds = starts.nonzero().squeeze(1).tolist() + [p.numel()]
+        out.extend(_sample(tokens[row, a:b], labels[row, a:b], mask[row, a:b]) for a, b in zip(bounds, bounds[1:]))
+    return out

@@ -114,8 +114,9 @@ def _attention_forward(inst, original):
             inst.notice_once(
                 "hdp-no-ring",
                 "`hdp.enabled` is on, but this attention runs outside an HDP micro-batch: plain data parallelism, "
-                "no HDP. Feed the model through megatron_overlap.hdp.runtime (HdpDataIterator + forward_step, "
-                "or forward_backward); pretrain_gpt.py's own iterator is not wrapped automatically")
+                "no HDP. Megatron-LM's training loop (pretrain_gpt.py) is wrapped by the plugin; a loop of your own "
+                "feeds the model through megatron_overlap.hdp.runtime (HdpDataIterator + forward_step, or "
+                "forward_backward)")
         mask_type = attn_mask_type or self.attn_mask_type
         if ring is not None:  # --hdp: the micro-batch's own ring (or one rank), packed layout
             if attention_bias is not None:

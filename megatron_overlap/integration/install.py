@@ -8,6 +8,7 @@
 | ``distributed.param_and_grad_buffer._ParamAndGradBucketGroup.register_grad_ready`` | ``ddp.py`` (TP overlap: a parameter is ready once its held-back wgrad GEMM ran) | Megatron's DDP learns of wgrads computed after the backward hook |
 | ``megatron.training.training.train_step``                       | ``training.py`` (``--overlap-trace``) | Megatron-LM's loop takes a profiler hook |
 | ``transformer.torch_norm.WrappedTorchNorm.__new__``            | ``norms.py`` (no apex: the torch norm under sequence parallelism, its params marked ``sequence_parallel``) | Megatron's torch norm accepts sequence parallelism |
+| ``megatron.training.training.get_forward_backward_func`` (``--hdp``)  | ``hdp_loop.py`` (each schedule call runs as an HDP step: the script's batches cut into documents, planned, its forward step in the ring context) | Megatron-LM's loop takes a pluggable data planner |
 | ``pipeline_parallel.get_forward_backward_func`` (also in ``pipeline_parallel.schedules`` and ``megatron.training.training``, which bind it by name) | ``schedules.py`` (``--overlap-pp`` -> ``pp``) | Megatron takes a pluggable pipeline schedule |
 
 The linears' function is also patched, without TP overlap, under ``--overlap-pp zb`` at TP = 1 (weight
@@ -50,6 +51,7 @@ PATCH_POINTS = (
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.register_grad_ready"),
     ("megatron.training.training", "train_step"),
     ("megatron.core.pipeline_parallel.schedules", "get_forward_backward_func"),
+    ("megatron.training.training", "get_forward_backward_func"),
 )  # (norms.py's WrappedTorchNorm.__new__ is never patched alone, and a class hands back the bare function)
 
 
@@ -189,7 +191,7 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
     if not tp_on and not config.trace.enabled and not cp_on and not pp_on:
         return Installation(config, context)
 
-    from . import attention, linears, norms, schedules, training
+    from . import attention, hdp_loop, linears, norms, schedules, training
     from ..pp.checks import resolve_auto as resolve_pp
 
     requested = config
@@ -206,6 +208,8 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
             schedules.patch(inst)
         attention.patch(inst, forward=cp_on)
         norms.patch(inst)
+        if config.hdp.enabled:
+            hdp_loop.patch(inst)
         if config.trace.enabled:
             training.patch_train_step(inst)
     except BaseException:
