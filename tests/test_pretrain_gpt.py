@@ -126,8 +126,8 @@ def test_plugin_refuses_megatrons_own_cp_path_clearly():
 @functools.lru_cache(maxsize=None)
 def documents_dataset() -> str:
     """A Megatron indexed dataset (megatron-core's own ``IndexedDatasetBuilder``) of 300 documents
-    of mixed lengths (4 to 400 tokens, long-tailed), each ending in the NullTokenizer's EOD (1024);
-    returns its path prefix."""
+    of mixed lengths (5 to 401 tokens, long-tailed), each ending in the end-of-document token
+    1023 (``_EOD``); returns its path prefix."""
     import numpy
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -137,15 +137,24 @@ def documents_dataset() -> str:
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
     for _ in range(300):
         n = int(min(400, 4 + rng.pareto(1.2) * 30))
-        builder.add_document(torch.from_numpy(numpy.append(rng.integers(0, 1024, n), 1024).astype(numpy.int32)),
+        builder.add_document(torch.from_numpy(numpy.append(rng.integers(0, 1023, n), 1023).astype(numpy.int32)),
                              [n + 1])
     builder.finalize(prefix + ".idx")
     return prefix
 
 
+def _eod_flags() -> tuple:
+    """The NullTokenizer's end-of-document id, pinned to 1023: core_v0.16's is ``--vocab-size``
+    itself, 0.19's is ``--vocab-size - 1`` or ``--null-tokenizer-eod-id``."""
+    config = os.path.join(TREE, "megatron", "training", "config", "training_config.py")
+    if os.path.isfile(config) and "null_tokenizer_eod_id" in open(config).read():
+        return ("--null-tokenizer-eod-id", "1023")
+    return ("--vocab-size", "1023")
+
+
 def _packed(*flags) -> tuple:
     prefix = documents_dataset()
-    return (*NO_DROPOUT, "--data-path", prefix, "--split", "100,0,0", "--data-cache-path",
+    return (*NO_DROPOUT, *_eod_flags(), "--data-path", prefix, "--split", "100,0,0", "--data-cache-path",
             os.path.dirname(prefix), "--reset-position-ids", "--reset-attention-mask", "--calculate-per-token-loss",
             "--position-embedding-type", "learned_absolute", "--global-batch-size", "8", *flags)
 
