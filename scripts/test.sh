@@ -3,4 +3,4 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec python -m pytest -q "$@"
+exec python -m pytest -q --durations=25 "$@"
