@@ -59,7 +59,12 @@ def test_same_plan_on_every_rank(exact_rope):
     assert len(sigs) == 1
     lengths = [L for rank in hdp_rank_fns.LENGTHS for L in rank]
     assert exact_rope[0]["lengths"] == lengths  # global ids: rank 0's samples, then rank 1's, ...
-    assert repr(schedule_hdp(lengths, 4, hdp_rank_fns.CAPACITY).microbatches) == sigs.pop()
+    home = [r for r, rank in enumerate(hdp_rank_fns.LENGTHS) for _ in rank]  # who loaded each sequence
+    assert repr(schedule_hdp(lengths, 4, hdp_rank_fns.CAPACITY, home=home).microbatches) == sigs.pop()
+    moved = [r["moved_tokens"] for r in exact_rope]
+    plan = schedule_hdp(lengths, 4, hdp_rank_fns.CAPACITY, home=home)
+    assert len(set(moved)) == 1 and moved[0] == plan.moved_tokens(home)  # the exchange moves what the plan says
+    assert moved[0] <= schedule_hdp(lengths, 4, hdp_rank_fns.CAPACITY).moved_tokens(home)
 
 
 def test_one_rank_ring_runs_unpadded_packed_documents(pool4):

@@ -1,12 +1,14 @@
-"""``megatron-overlap bench hdp``: the three schedulers on the same full batches, scored by the
-same cost model and step simulator.
+"""``megatron-overlap bench hdp``: the schedulers on the same full batches, scored by the same
+cost model and step simulator, and a second time by megatron-core's own model. Simulated.
 
     static              fixed CP size from the longest sequence, greedy token packing (baselines.py)
     megatron_balanced   megatron-core's BalancedCPScheduler, unmodified (baselines.py)
-    hdp                 ours (scheduler.py)
+    hdp_fewest          ours, every sequence on the fewest ranks that hold it (``spread=False``)
+    hdp                 ours (scheduler.py): rings spread for balance where the step gets shorter
 
 Batches: ``--lengths-file F`` (one token count per line; a blank line ends a full batch, so a
-file without blank lines is one batch; ``#`` starts a comment), or a built-in distribution,
+file without blank lines is one batch; ``#`` starts a comment), ``--corpus packages`` (real
+lengths from this machine: ``corpus.py``), or a built-in distribution,
 drawn with a fixed seed (``--seed``), ``--steps`` batches of ``--batch-tokens`` tokens each
 (default 8 x R x C: 8 micro-batches of C tokens per rank on average; the last sequence drawn
 may overshoot the budget):
@@ -24,12 +26,20 @@ Scores, per scheduler, over the steps::
 
     imbalance              mean over steps of  max_r work_r / mean_r work_r   (busy time, waits excluded)
     step_time_ms           mean over steps of the simulated step (simulate.py: ring peers wait for
-                           each other, phases end with a barrier)
+                           each other, phases end with a barrier), with ``--microbatch-overhead-ms``
+                           per micro-batch added (hdp plans without it: the home-field bias shows)
+    vs_bound               mean over steps of step / ``simulate.lower_bound_ms``
+    square_vs_bound        the same plans scored by megatron-core's own model (L^2 / cp per rank, no
+                           linears, no communication: ``cost.SquareWorkload``) against its bound
+    moved_tokens           mean over steps of the tokens that leave the rank that loaded them
+                           (sequence i is loaded by rank i mod R, as Megatron's sampler deals them)
     cp_comm_bytes          mean over steps of the bytes all ranks send through rings (Plan.cp_comm_bytes)
     microbatches_per_rank  min and max over ranks and steps of non-empty micro-batches
 
 The cost model: ``HdpCostModel.named(--hardware, --model)``, by default an H100 SXM (989 TFLOPS
-bf16, NVLink within 8-GPU nodes, 50 GB/s per GPU across) running Llama-3-8B whole (TP = 1).
+bf16, NVLink within 8-GPU nodes, 50 GB/s per GPU across) running Llama-3-8B whole (TP = 1). Our
+scheduler plans with the model it is scored by: the second scoring, with megatron-core's model,
+is the baseline's home ground.
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from ..hdp.cost import HdpCostModel
 from ..hdp.scheduler import CAPACITY_FIELD, MODES
 
 DISTRIBUTIONS = ("heavy-tailed", "uniform")
-SCHEDULER_NAMES = ("static", "megatron_balanced", "hdp")
+SCHEDULER_NAMES = ("static", "megatron_balanced", "hdp_fewest", "hdp")
 MIN_LEN = 64
 HEAVY_MEDIAN = 2048
 HEAVY_SIGMA = 1.8
@@ -114,28 +124,44 @@ def _shape(note: str) -> str:
     return re.sub(r"\d+(?:, \d+)*", "#", note)
 
 
-def score(plans, cost: HdpCostModel, errors: Sequence[str] = ()) -> Dict:
+def score(plans, cost, errors: Sequence[str] = (), bounds: Sequence[float] = (), homes=None,
+          square=None, square_bounds: Sequence[float] = ()) -> Dict:
     """The scores of one scheduler's plans (module docstring). ``errors``: the steps it could not
     plan (megatron-core's scheduler failing); scores are over the others, None when none is left.
-    ``notes``: the first step's notes, then any note of a later step that says something else
-    (not only other numbers)."""
+    ``bounds``: per step, ``simulate.lower_bound_ms`` under ``cost``; ``homes``: per step, the
+    rank that loaded each sequence; ``square`` (megatron-core's own model) and its bounds score
+    the same plans a second time. ``notes``: the first step's notes, then any note of a later step
+    that says something else (not only other numbers)."""
     from ..hdp.simulate import simulate
 
-    imb, step, comm, mbs, notes = [], [], [], [], []
-    for plan in plans:
+    imb, step, comm, mbs, notes, vs_bound, moved, sq_step, sq_bound = [], [], [], [], [], [], [], [], []
+    for k, plan in enumerate(plans):
         imb.append(plan.imbalance(cost))
         step.append(simulate(plan, cost).step_ms)
         comm.append(plan.cp_comm_bytes(cost))
         mbs.extend(plan.microbatches_per_rank())
+        if bounds:
+            vs_bound.append(step[-1] / bounds[k])
+        if homes:
+            moved.append(plan.moved_tokens(homes[k]))
+        if square is not None:
+            sq_step.append(simulate(plan, square).step_ms)
+            sq_bound.append(sq_step[-1] / square_bounds[k])
         for note in plan.notes:
             if _shape(note) not in {_shape(x) for x in notes}:
                 notes.append(note)
     n = len(plans)
+    mean = (lambda xs: sum(xs) / len(xs) if xs else None)  # noqa: E731
     out = {
-        "imbalance": sum(imb) / n if n else None,
+        "imbalance": mean(imb),
         "imbalance_max": max(imb) if n else None,
-        "step_time_ms": sum(step) / n if n else None,
-        "cp_comm_bytes": sum(comm) / n if n else None,
+        "step_time_ms": mean(step),
+        "vs_bound": mean(vs_bound),
+        "vs_bound_max": max(vs_bound) if vs_bound else None,
+        "moved_tokens": mean(moved),
+        "square_step": mean(sq_step),
+        "square_vs_bound": mean(sq_bound),
+        "cp_comm_bytes": mean(comm),
         "microbatches_per_rank": {"min": min(mbs), "max": max(mbs)} if n else None,
         "steps": n,
         "notes": notes,
@@ -147,38 +173,57 @@ def score(plans, cost: HdpCostModel, errors: Sequence[str] = ()) -> Dict:
 
 
 def schedule(name: str, seq_lens, ranks: int, capacity_tokens: int, cost=None, **kwargs):
-    """Plan of scheduler ``name`` (``SCHEDULER_NAMES``): ours and the static baseline from ``hdp``,
-    megatron-core's own through ``integration.baselines``."""
+    """Plan of scheduler ``name`` (``SCHEDULER_NAMES``): ours (``hdp``; ``hdp_fewest``: without
+    spreading) and the static baseline from ``hdp``, megatron-core's own through
+    ``integration.baselines``."""
     from ..hdp import schedule as schedule_ours
 
     if name == "megatron_balanced":
         from ..integration.baselines import schedule_megatron_balanced
 
         return schedule_megatron_balanced(seq_lens, ranks, capacity_tokens, cost)
+    if name == "hdp_fewest":
+        return schedule_ours("hdp", seq_lens, ranks, capacity_tokens, cost, spread=False, **kwargs)
     return schedule_ours(name, seq_lens, ranks, capacity_tokens, cost, **kwargs)
 
 
+def loading_ranks(count: int, ranks: int) -> List[int]:
+    """Which rank loads sequence i: ``i mod R``, as Megatron's data-parallel sampler deals a
+    global batch of micro-batch size 1 (rank r gets samples r, r + R, ...)."""
+    return [i % ranks for i in range(count)]
+
+
 def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost: HdpCostModel,
-        mode: str = "dp", progress: bool = True) -> Dict:
-    """Schedule every batch with the three schedulers, validate every plan, score them. A batch
-    megatron-core's scheduler fails on is counted in its ``failed_steps`` (baselines.py)."""
+        mode: str = "dp", progress: bool = True, overhead_ms: float = 0.0) -> Dict:
+    """Schedule every batch with each scheduler (planned with ``cost``), validate every plan,
+    score them with ``cost`` plus ``overhead_ms`` per micro-batch and with megatron-core's own
+    model (``SquareWorkload``). A batch megatron-core's scheduler fails on is counted in its
+    ``failed_steps`` (baselines.py)."""
+    import dataclasses
+
     from tqdm import tqdm
 
     from ..hdp.baselines import MegatronSchedulerError
+    from ..hdp.cost import SquareWorkload
+    from ..hdp.simulate import lower_bound_ms
 
-    fns = {name: functools.partial(schedule, name, ranks=ranks, capacity_tokens=capacity_tokens, cost=cost,
-                                   **({"mode": mode} if name == "hdp" else {}))
-           for name in SCHEDULER_NAMES}
+    homes = [loading_ranks(len(lens), ranks) for lens in batches]
+    scoring = dataclasses.replace(cost, microbatch_overhead_ms=overhead_ms)
+    square = SquareWorkload(gpus_per_node=cost.gpus_per_node)
+    bounds = [lower_bound_ms(lens, ranks, capacity_tokens, scoring) for lens in batches]
+    square_bounds = [lower_bound_ms(lens, ranks, capacity_tokens, square) for lens in batches]
     plans = {name: [] for name in SCHEDULER_NAMES}
     errors = {name: [] for name in SCHEDULER_NAMES}
     seconds = {name: 0.0 for name in SCHEDULER_NAMES}
+    kept = {name: [] for name in SCHEDULER_NAMES}  # the steps each scheduler planned
     with tqdm(total=len(batches) * len(SCHEDULER_NAMES), desc="bench hdp: scheduling", unit="plan",
               disable=not progress, delay=1.0, file=sys.stderr) as bar:
-        for lens in batches:
+        for k, lens in enumerate(batches):
             for name in SCHEDULER_NAMES:
+                extra = {"mode": mode, "home": homes[k]} if name.startswith("hdp") else {}
                 t0 = time.perf_counter()
                 try:
-                    plan = fns[name](list(lens))
+                    plan = schedule(name, list(lens), ranks, capacity_tokens, cost, **extra)
                 except MegatronSchedulerError as exc:
                     errors[name].append(str(exc))
                     plan = None
@@ -186,10 +231,13 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
                 if plan is not None:
                     plan.validate()
                     plans[name].append(plan)
+                    kept[name].append(k)
                 bar.update()
     out = {}
     for name in SCHEDULER_NAMES:
-        out[name] = score(plans[name], cost, errors[name])
+        ks = kept[name]
+        out[name] = score(plans[name], scoring, errors[name], [bounds[k] for k in ks], [homes[k] for k in ks],
+                          square, [square_bounds[k] for k in ks])
         out[name]["schedule_ms"] = 1e3 * seconds[name] / len(batches)
     return out
 
@@ -199,9 +247,9 @@ def format_table(result: Dict) -> str:
     lines = [
         f"HDP bench: {cfg['source']}, {cfg['steps']} steps, {cfg['sequences']} sequences "
         f"({cfg['tokens'] / 1e6:.1f}M tokens), R={cfg['ranks']}, C={cfg['max_tokens_per_rank']}, "
-        f"{cfg['hardware']} / {cfg['model']}, hdp mode {cfg['mode']}",
-        f"{'scheduler':<19}{'imbalance':>10}{'step ms':>11}{'vs static':>10}{'CP GB/step':>12}{'mb/rank':>10}"
-        f"{'sched ms':>10}",
+        f"{cfg['hardware']} / {cfg['model']}, hdp mode {cfg['mode']} (simulated)",
+        f"{'scheduler':<19}{'imbalance':>10}{'step ms':>10}{'vs static':>10}{'vs bound':>9}{'sq. vs bnd':>11}"
+        f"{'moved Mtok':>11}{'CP GB/step':>11}{'mb/rank':>9}{'sched ms':>9}",
     ]
     base = result["schedulers"]["static"]["step_time_ms"]
     for name, s in result["schedulers"].items():
@@ -209,10 +257,15 @@ def format_table(result: Dict) -> str:
             lines.append(f"{name:<19}{'failed on every step (see notes)':>40}")
             continue
         mb = s["microbatches_per_rank"]
-        lines.append(f"{name:<19}{s['imbalance']:>10.3f}{s['step_time_ms']:>11.0f}{base / s['step_time_ms']:>9.2f}x"
-                     f"{s['cp_comm_bytes'] / 1e9:>12.1f}{str(mb['min']) + '-' + str(mb['max']):>10}"
-                     f"{s['schedule_ms']:>10.0f}")
-    lines.append("imbalance: max/mean per-rank work per step; step ms: simulated; vs static: static step / this step")
+        lines.append(f"{name:<19}{s['imbalance']:>10.3f}{s['step_time_ms']:>10.0f}{base / s['step_time_ms']:>9.2f}x"
+                     f"{s['vs_bound']:>8.2f}x{s['square_vs_bound']:>10.2f}x{s['moved_tokens'] / 1e6:>11.2f}"
+                     f"{s['cp_comm_bytes'] / 1e9:>11.1f}{str(mb['min']) + '-' + str(mb['max']):>9}"
+                     f"{s['schedule_ms']:>9.0f}")
+    lines.append(f"step ms: simulated with our cost model plus {cfg['microbatch_overhead_ms']:g} ms per micro-batch "
+                 f"(hdp plans with the model, without the overhead); vs bound: step / lower bound "
+                 f"(simulate.lower_bound_ms); sq. vs bnd: the same plans scored with megatron-core's own model "
+                 f"(L^2 / cp, no communication) against its bound; moved: tokens leaving the rank that loaded them "
+                 f"(rank i mod R loads sequence i), per step")
     for name, s in result["schedulers"].items():
         if s.get("failed_steps"):
             lines.append(f"  {name}: failed on {s['failed_steps']} of {cfg['steps']} steps: {s['error'][:200]}")
@@ -226,14 +279,23 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="one token count per line, a blank line between full batches "
                              "(default: a built-in distribution)")
     parser.add_argument("--distribution", choices=DISTRIBUTIONS, default="heavy-tailed",
-                        help="built-in distribution when no --lengths-file is given")
+                        help="built-in distribution when no --lengths-file or --corpus is given")
+    parser.add_argument("--corpus", choices=("packages",), default=None,
+                        help="real lengths from this machine: packages = the installed packages' and the standard "
+                             "library's source files concatenated per package (cli/corpus.py)")
+    parser.add_argument("--write-lengths", default="", metavar="F",
+                        help="also write the batches to F in the --lengths-file format")
+    parser.add_argument("--microbatch-overhead-ms", type=float, default=1.0, metavar="MS",
+                        help="fixed cost of each micro-batch when scoring (not when hdp plans)")
     parser.add_argument("--ranks", type=int, default=64, help="R = DP x CP ranks")
     parser.add_argument("--max-tokens-per-rank", type=int, default=32768, metavar="C",
                         help="C: rows one rank holds in a micro-batch (--hdp-max-tokens-per-rank)")
     parser.add_argument("--steps", type=int, default=4, help="full batches drawn from the distribution")
     parser.add_argument("--batch-tokens", type=int, default=0,
                         help="tokens per drawn full batch (default 8 x R x C)")
-    parser.add_argument("--max-len", type=int, default=262144, help="longest drawn sequence")
+    parser.add_argument("--max-len", type=int, default=None,
+                        help="longest sequence: drawn (default 262144), or where --corpus cuts its documents "
+                             "(default: what the R ranks hold)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mode", choices=MODES, default="dp",
                         help="hdp balance: dp = each rank's work per step, pp = also similar lengths per "
@@ -253,15 +315,29 @@ def hdp_main(args) -> int:
                                      f"(bench flag --max-tokens-per-rank)")
         if R < 1:
             raise ValueError(f"--ranks must be >= 1, got {R}")
+        if args.microbatch_overhead_ms < 0:
+            raise ValueError(f"--microbatch-overhead-ms must be >= 0, got {args.microbatch_overhead_ms}")
+        if args.lengths_file and args.corpus:
+            raise ValueError("pass --lengths-file or --corpus, not both")
         if args.lengths_file:
             batches = read_lengths_file(args.lengths_file)
             source = args.lengths_file
+        elif args.corpus:
+            from .corpus import corpus_batches, describe, package_documents
+
+            batches = corpus_batches(package_documents(), args.batch_tokens or 8 * R * C,
+                                     max_len_for(R, C, args.max_len or R * C), args.seed)
+            source = f"corpus {args.corpus} ({describe(batches)})"
         else:
-            max_len = max_len_for(R, C, args.max_len)
+            max_len = max_len_for(R, C, args.max_len or 262144)
             batches = draw_batches(args.distribution, args.steps, args.batch_tokens or 8 * R * C, max_len, args.seed)
             source = f"{args.distribution} (seed {args.seed}, max {max_len})"
         cost = HdpCostModel.named(args.hardware, args.model)
-        schedulers = run(batches, R, C, cost, mode=args.mode, progress=not args.no_progress)
+        if args.write_lengths:
+            with open(args.write_lengths, "w") as f:
+                f.write(f"# {source}\n" + "\n\n".join("\n".join(map(str, b)) for b in batches) + "\n")
+        schedulers = run(batches, R, C, cost, mode=args.mode, progress=not args.no_progress,
+                         overhead_ms=args.microbatch_overhead_ms)
     except (ValueError, OSError) as exc:
         print(f"bench hdp: {exc}", file=sys.stderr)
         return 2
@@ -277,6 +353,7 @@ def hdp_main(args) -> int:
             "mode": args.mode,
             "hardware": args.hardware,
             "model": args.model,
+            "microbatch_overhead_ms": args.microbatch_overhead_ms,
         },
     }
     print(format_table(result))

@@ -9,6 +9,7 @@ ceil(L / C) ranks, every rank's work per step balanced.
     scheduler.py   the HDP scheduler (``schedule_hdp``)
     baselines.py   ``static`` CP, and megatron-core's ``BalancedCPScheduler`` output as a plan
     checks.py      model settings the runtime cannot honour (at install)
+    packing.py     sequences into micro-batches of at most C rows
     samples.py     a rank's share of the full batch (``Sample``, ``as_samples``)
     layout.py      which token rows a rank holds in a micro-batch (pure, from the plan)
     exchange.py    the lengths all-gather and the one row all-to-all, over an explicit group

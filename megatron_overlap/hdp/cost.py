@@ -59,6 +59,7 @@ class HdpCostModel:
     gated: bool = True
     dtype_bytes: int = 2
     attention_bwd_factor: float = 2.5  # flash attention backward / forward FLOPs (5 GEMMs vs 2)
+    microbatch_overhead_ms: float = 0.0  # fixed cost of each non-empty micro-batch (launches, the schedule)
 
     def __post_init__(self):
         positive = ("peak_tflops", "gemm_fraction", "attention_fraction", "intra_link_GBps",
@@ -66,6 +67,8 @@ class HdpCostModel:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"HdpCostModel.{name} must be > 0, got {getattr(self, name)}")
+        if self.microbatch_overhead_ms < 0:
+            raise ValueError(f"HdpCostModel.microbatch_overhead_ms must be >= 0, got {self.microbatch_overhead_ms}")
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ValueError(f"hidden {self.hidden} / heads {self.heads} / kv heads {self.kv_heads} do not divide")
 
@@ -172,3 +175,32 @@ class HdpCostModel:
         ring = tuple(ring) or tuple(range(cp_size))
         pairs = seq_len * (seq_len + 1) / 2 / cp_size
         return self.item_ms(rows_held(seq_len, cp_size), pairs, ring if cp_size > 1 else ())
+
+
+@dataclass(frozen=True)
+class SquareWorkload:
+    """megatron-core's own workload model (``BalancedCPScheduler.get_total_workload``): a
+    sequence of L tokens on a ring of n ranks costs each peer L^2 / n, nothing for linears or
+    communication. In the same interface as :class:`HdpCostModel`, to score every scheduler with
+    the baseline's model too. ``ms_per_unit`` only scales the numbers (by default one unit is
+    one causal pair's attention in the default ``HdpCostModel``, forward + backward, so the
+    figures read as attention milliseconds); ``2 x pairs = L (L + 1) / n``."""
+
+    ms_per_unit: float = HdpCostModel().attention_fwd_ms_per_pair * (1 + HdpCostModel().attention_bwd_factor) / 2
+    gpus_per_node: int = 8
+    microbatch_overhead_ms: float = 0.0
+
+    def compute_ms(self, rows: float, pairs: float) -> float:
+        return 2.0 * pairs * self.ms_per_unit
+
+    def exposed_ring_ms(self, rows: float, pairs: float, ring: Sequence[int]) -> float:
+        return 0.0
+
+    def item_ms(self, rows: float, pairs: float, ring: Sequence[int] = ()) -> float:
+        return self.compute_ms(rows, pairs)
+
+    def ring_bytes(self, rows: float, cp_size: int) -> float:
+        return 0.0
+
+    def sequence_ms(self, seq_len: int, cp_size: int = 1, ring: Sequence[int] = ()) -> float:
+        return seq_len * (seq_len + 1) / cp_size * self.ms_per_unit

@@ -86,6 +86,8 @@ class Plan:
         communication of its ring (rows and pairs of the ring's sequences add)."""
         ring = self.ring_of(mb)
         compute = sum(cost.compute_ms(s.rows, s.causal_pairs) for s in mb)
+        if mb:
+            compute += cost.microbatch_overhead_ms
         if not ring:
             return compute
         rows = sum(s.rows for s in mb if s.ring)
@@ -114,6 +116,12 @@ class Plan:
             if mean > 0:
                 ratios.append(max(w) / mean)
         return sum(ratios) / len(ratios) if ratios else 1.0
+
+    def moved_tokens(self, home: Sequence[int]) -> int:
+        """Real tokens a rank holds that another rank loaded (``home[seq id]``: the rank whose
+        data iterator loaded it): what the row exchange moves."""
+        return sum(s.tokens for r, mbs in enumerate(self.microbatches) for mb in mbs for s in mb
+                   if home[s.seq_id] != r)
 
     def cp_comm_bytes(self, cost: HdpCostModel) -> float:
         """Bytes all ranks send through rings in the step: per ring and rank,

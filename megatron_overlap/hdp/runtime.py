@@ -8,8 +8,9 @@ WORLD), R = |G| ranks::
                    token count): two small collectives. Global sample id = position in
                    (rank 0's samples, rank 1's, ...).
     2. plan        every rank runs the same deterministic scheduler (``schedule_hdp``, or the
-                   ``static`` baseline) on the same lengths: the same ``Plan`` everywhere, with
-                   no further agreement needed.
+                   ``static`` baseline) on the same lengths and loading ranks: the same ``Plan``
+                   everywhere, with no further agreement needed; hdp keeps sequences on the rank
+                   that loaded them where the step allows.
     3. exchange    rows a rank needs from a sample another rank loaded travel in one
                    ``all_to_all_single`` (``exchange.py``; rows per rank: ``layout.py``).
     4. micro-batches  per rank, its non-idle micro-batches in plan order (``MicroBatch``): token
@@ -196,11 +197,13 @@ class HdpRuntime:
         self.device = torch.device(device)
 
     # -- steps ---------------------------------------------------------------------------------
-    def plan(self, seq_lens: Sequence[int]) -> Plan:
-        """The plan of a full batch (deterministic: the same on every rank)."""
+    def plan(self, seq_lens: Sequence[int], home: Optional[Sequence[int]] = None) -> Plan:
+        """The plan of a full batch (deterministic: the same on every rank). ``home``: per
+        sequence, the group rank that loaded it (the hdp scheduler keeps sequences there where
+        the step allows)."""
         from . import schedule
 
-        kwargs = {"mode": self.mode} if self.scheduler == "hdp" else {}
+        kwargs = {"mode": self.mode, "home": home} if self.scheduler == "hdp" else {}
         return schedule(self.scheduler, list(seq_lens), self.size, self.capacity_tokens, self.cost, **kwargs)
 
     def step(self, item) -> HdpStep:
@@ -208,7 +211,7 @@ class HdpRuntime:
         micro-batches. Collective: every rank of the group calls it."""
         samples = as_samples(item)
         lens, weights, owners = gather_lengths(samples, self.group)
-        plan = self.plan(lens)
+        plan = self.plan(lens, home=[rank for rank, _ in owners])
         if any(p for ph in plan.phases for p in ph):
             raise ValueError("the HDP runtime runs plans of one phase (no barriers between groups of micro-batches)")
         layouts = [row_layout(mb, k, self.rank) for k, mb in enumerate(plan.microbatches[self.rank]) if mb]

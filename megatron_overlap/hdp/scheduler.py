@@ -12,9 +12,28 @@ Sizing (``shard.ranks_needed``)::
 
     L <= C   held whole by one rank, packed with other short sequences into micro-batches of
              at most C rows: no ring, no CP communication
-    L >  C   a ring of n = ceil(L / C) ranks (any integer, not only powers of two; C even; one
-             more for an odd C when the zigzag rounding needs it), zigzag shards of 2 ceil(L/2n)
-             rows each, so every peer has the same rows and the same causal pairs L (L+1) / 2n
+    L >  C   a ring of at least n = ceil(L / C) ranks (any integer, not only powers of two; C
+             even; one more for an odd C when the zigzag rounding needs it), zigzag shards of
+             2 ceil(L/2n) rows each, so every peer has the same rows and the same causal pairs
+             L (L+1) / 2n
+
+Spread for balance (``spread=True``, the default): a sequence may get more ranks than it needs,
+any number up to R, when that makes the step shorter. One or two long sequences can dominate a
+step's attention work (it grows as L^2); on the fewest ranks they leave the others idle while
+they finish. For each ring (costliest first) every size from the fewest to R is tried and the
+one with the shortest estimated step kept, ``max(ring end, (work placed + the ring's busy and
+idle time + work still to place) / R)``: more ranks end the sequence sooner but cost ring
+traffic the attention does not hide, zigzag padding and the gaps its peers wait in. A short
+sequence whose work alone exceeds a balanced rank's share is tried the same way (from 1).
+``simulate.lower_bound_ms`` is what no plan can beat.
+
+Locality (``home``: per sequence, the rank whose data iterator loaded it): after step 1 the
+ranks are renamed, nodes onto nodes and ranks inside a node, so the most ring tokens stay where
+they were loaded (``locality.relabel``: the step depends on the ranks only through which share
+a node); a short sequence takes a gap on its home rank when one fits there; after the rings,
+each short sequence goes home while its home still ends by LPT's step, the rest where they fit
+by then (``locality.home_first``; LPT's own assignment when they do not all fit). Fewer tokens
+cross ranks in the exchange, at the same step.
 
 Costs: a ring costs each peer ``w = compute(rows, pairs) + exposed ring communication`` (the
 same on every peer, so no peer waits inside a ring); a short sequence costs its rank
@@ -24,7 +43,7 @@ attention than linear (``cost`` module docstring).
 
 Algorithm, ``mode="dp"`` (balance each rank's work per step; list scheduling, longest first)::
 
-    1. Rings, longest sequence first. Each rank has a clock t_r (when its last ring ends). A
+    1. Rings, longest sequence first, sized as above. Each rank has a clock t_r (when its last ring ends). A
        ring of n goes on the n ranks where it ends earliest: end = max_{r in S} t_r + w(S),
        S among the n ranks with the smallest clocks (ties: lower rank id) and, when n fits in
        a node, each node's n least-busy ranks (an intra-node ring is never slower; one is taken
@@ -41,7 +60,7 @@ Algorithm, ``mode="dp"`` (balance each rank's work per step; list scheduling, lo
        index max over peers of (micro-batches that peer has so far); peers behind get empty
        (idle) slots. So every peer holds a ring at the same index, and two ranks meet their
        shared rings in the same (start) order: no deadlock, and the plan's timeline is the one
-       step 1 computed (``simulate`` reproduces it).
+       step 1 computed (``simulate`` reproduces it); the micro-batch packing is ``packing.py``.
 
     Ranks with lighter rings take more short sequences, hence more micro-batches.
 
@@ -58,7 +77,7 @@ The balance this reaches: the clocks after step 1 and the LPT of step 2 leave
 ``max_r work_r - mean_r work_r`` at about one short sequence's cost plus the gaps no short
 sequence fitted, which is small when the batch holds many more short sequences than ranks (the
 usual shape of long-context data, heavy-tailed). It cannot fix a single ring whose per-peer
-work ``w`` exceeds the mean work per rank: the fewest-ranks rule fixes its n.
+work ``w`` exceeds the mean work per rank on its fewest ranks: spreading it is the lever.
 """
 
 from __future__ import annotations
@@ -70,6 +89,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import OverlapConfigError
 from .cost import HdpCostModel
+from .locality import check_home, home_first, relabel_rings
+from .packing import pack_first_fit, pack_next_fit, split_to
 from .plan import Plan
 from .shard import Shard, ranks_needed, rows_held
 
@@ -160,27 +181,69 @@ def _choose_ring(seq_len: int, n: int, clock: List[float], cost: HdpCostModel) -
     return ring, start, end
 
 
-def _place_rings(lens: Sequence[int], long_ids: Sequence[int], R: int, C: int, cost: HdpCostModel):
-    """Step 1: rings longest first, each where it ends earliest. Returns (rings, clock, gaps)
-    with gaps[(rank, ring index)] = idle time before that ring on that rank."""
+def _area_ms(seq_len: int, low: int, R: int, cost: HdpCostModel) -> float:
+    """The least total busy time of a sequence over ring sizes ``low``..R (1: held whole)."""
+    return min(n * (local_ms(seq_len, cost) if n == 1 else ring_ms(seq_len, tuple(range(n)), cost))
+               for n in range(low, R + 1))
+
+
+def _spread_choice(seq_len: int, low: int, clock: List[float], cost: HdpCostModel, rest_ms: float,
+                   spread: bool):
+    """Step 1's ring size: from the fewest ranks that hold the sequence (``low``) up to all R,
+    the one whose estimated step is shortest, max(this ring's end, (work placed so far + this
+    ring's busy and idle time + ``rest_ms`` still to place) / R): more ranks end a dominant
+    sequence sooner at the price of ring traffic and of the gaps its peers wait in. Ties: fewer
+    ranks. Returns (n, ring, start, end); n = 1: held whole (no ring)."""
+    R = len(clock)
+    placed = sum(clock)
+    best = None
+    for n in (range(low, R + 1) if spread else (low,)):
+        if n == 1:
+            r = min(range(R), key=lambda x: (clock[x], x))
+            ring, start, end = (r,), clock[r], clock[r] + local_ms(seq_len, cost)
+        else:
+            ring, start, end = _choose_ring(seq_len, n, clock, cost)
+        estimate = max(end, (placed + sum(end - clock[r] for r in ring) + rest_ms) / R)
+        if best is None or estimate < best[0] * (1 - 1e-9):
+            best = (estimate, n, ring, start, end)
+    return best[1:]
+
+
+def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequence[int], R: int, C: int,
+                 cost: HdpCostModel, spread: bool):
+    """Step 1: rings, costliest first, each sized by ``_spread_choice`` and placed where it ends
+    earliest. ``ring_ids``: the sequences longer than C, and with ``spread`` the short ones whose
+    work alone exceeds a balanced rank's (one that stays on one rank goes back to the short
+    sequences). Returns (rings, clock, gaps, ids back to short) with gaps[(rank, ring index)] =
+    idle time before that ring on that rank."""
     clock = [0.0] * R
     rings: List[_Ring] = []
     gaps: Dict[Tuple[int, int], float] = {}
-    for i in long_ids:
-        n = ranks_needed(lens[i], C)
-        ring, start, end = _choose_ring(lens[i], n, clock, cost)
+    low = {i: ranks_needed(lens[i], C) if lens[i] > C else 1 for i in ring_ids}
+    area = {i: _area_ms(lens[i], low[i], R if spread else low[i], cost) for i in ring_ids}
+    rest = sum(area.values()) + sum(local_ms(lens[i], cost) for i in short_ids)
+    back = []
+    for i in ring_ids:
+        rest -= area[i]
+        n, ring, start, end = _spread_choice(lens[i], low[i], clock, cost, rest, spread)
+        if n == 1:
+            back.append(i)
+            rest += local_ms(lens[i], cost)
+            continue
         for r in ring:
             if start > clock[r]:
                 gaps[(r, len(rings))] = start - clock[r]
             clock[r] = end
         rings.append(_Ring(i, lens[i], ring, start, end))
-    return rings, clock, gaps
+    return rings, clock, gaps, back
 
 
 def _fill_gaps(short_ids: Sequence[int], lens: Sequence[int], gaps: Dict[Tuple[int, int], float],
-               cost: HdpCostModel):
-    """Step 2a: best fit of the short sequences (costliest first) into the gaps. Returns
-    ({(rank, ring index): [seq ids]}, the ids left over, in the same order)."""
+               cost: HdpCostModel, home: Optional[Sequence[int]] = None):
+    """Step 2a: best fit of the short sequences (costliest first) into the gaps; with ``home``,
+    the tightest gap on the rank that loaded the sequence when one fits there (a gap delays
+    nothing either way). Returns ({(rank, ring index): [seq ids]}, the ids left over, in the same
+    order)."""
     free = sorted((cap, key) for key, cap in gaps.items())
     filled: Dict[Tuple[int, int], List[int]] = {}
     rest = []
@@ -190,6 +253,8 @@ def _fill_gaps(short_ids: Sequence[int], lens: Sequence[int], gaps: Dict[Tuple[i
         if k == len(free):
             rest.append(i)
             continue
+        if home is not None:
+            k = next((j for j in range(k, len(free)) if free[j][1][0] == home[i]), k)
         cap, key = free.pop(k)
         filled.setdefault(key, []).append(i)
         if cap - c > 0:
@@ -209,76 +274,62 @@ def _lpt(ids: Sequence[int], lens: Sequence[int], clock: List[float], cost: HdpC
     return out
 
 
-def pack_first_fit(ids: Sequence[int], lens: Sequence[int], capacity: int) -> List[List[int]]:
-    """First-fit decreasing into micro-batches of at most ``capacity`` rows (ids given longest
-    first; a micro-batch's order is its insertion order)."""
-    bins: List[List[int]] = []
-    room: List[int] = []
-    for i in ids:
-        for b, left in enumerate(room):
-            if lens[i] <= left:
-                bins[b].append(i)
-                room[b] -= lens[i]
-                break
-        else:
-            bins.append([i])
-            room.append(capacity - lens[i])
-    return bins
-
-
-def pack_next_fit(ids: Sequence[int], lens: Sequence[int], capacity: int) -> List[List[int]]:
-    """Next-fit: consecutive ids (sorted by length) share a micro-batch until it is full, so a
-    micro-batch holds neighbouring lengths."""
-    bins: List[List[int]] = []
-    left = 0
-    for i in ids:
-        if not bins or lens[i] > left:
-            bins.append([])
-            left = capacity
-        bins[-1].append(i)
-        left -= lens[i]
-    return bins
-
-
-def split_to(bins: List[List[int]], count: int, lens: Sequence[int]) -> List[List[int]]:
-    """``bins`` (of ids sorted longest first) split until there are ``count`` of them, or every
-    bin holds one sequence: the bin with the most rows is cut in two at its middle row. Bins
-    stay contiguous runs of the sorted ids, so their order is still longest first."""
-    bins = [list(b) for b in bins]
-    while len(bins) < count:
-        splittable = [k for k, b in enumerate(bins) if len(b) > 1]
-        if not splittable:
-            break
-        k = max(splittable, key=lambda k: (sum(lens[i] for i in bins[k]), -k))
-        b = bins[k]
-        half, acc, cut = sum(lens[i] for i in b) / 2, 0, 1
-        for j in range(1, len(b)):
-            acc += lens[b[j - 1]]
-            if acc >= half:
-                cut = j
-                break
-        bins[k:k + 1] = [b[:cut], b[cut:]]
-    return bins
-
-
 def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
-                 cost: Optional[HdpCostModel] = None, mode: str = "dp") -> Plan:
-    """The HDP plan of one full batch (module docstring). Raises ``OverlapConfigError`` /
-    ``ValueError`` on bad input (``check_batch``)."""
+                 cost: Optional[HdpCostModel] = None, mode: str = "dp", spread: bool = True,
+                 home: Optional[Sequence[int]] = None) -> Plan:
+    """The HDP plan of one full batch (module docstring). ``spread``: rings may take more ranks
+    than they need where the step gets shorter (False: always the fewest, ``ceil(L / C)``);
+    ``home``: per sequence, the rank that loaded it (sequences stay there where the step allows).
+    The plan is built with and without each (``_build``) and the one with the shortest simulated
+    step under ``cost`` kept, among equal steps the one that moves the fewest tokens.
+    ``mode="pp"`` keeps the fewest ranks (the simulator does not see a pipeline's lockstep).
+    Raises ``OverlapConfigError`` / ``ValueError`` on bad input (``check_batch``)."""
+    from .simulate import simulate
+
     lens = check_batch(seq_lens, ranks, capacity_tokens, mode)
     cost = cost or HdpCostModel()
-    R, C = ranks, capacity_tokens
-    by_length = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    long_ids = [i for i in by_length if lens[i] > C]
-    short_ids = [i for i in by_length if lens[i] <= C]
+    home = check_home(home, len(lens), ranks)
+    best, best_key = None, None
+    for wide in ((False, True) if spread and mode == "dp" else (False,)):
+        for homed in ((home, None) if home is not None else (None,)):
+            plan = _build(lens, ranks, capacity_tokens, cost, mode, wide, homed, home)
+            step = simulate(plan, cost).step_ms
+            key = (step, plan.moved_tokens(home) if home is not None else 0)
+            # the shortest step; among steps equal within 1e-9, the fewest tokens moved
+            if best is None or key[0] < best_key[0] * (1 - 1e-9) or (
+                    key[0] <= best_key[0] * (1 + 1e-9) and key[1] < best_key[1]):
+                best, best_key = plan, key
+    return best
 
-    rings, clock, gaps = _place_rings(lens, long_ids, R, C, cost)
+
+def _build(lens, R: int, C: int, cost: HdpCostModel, mode: str, spread: bool, home, loaded) -> Plan:
+    """One plan; ``home``: placement by locality (or None), ``loaded``: the loading ranks the
+    notes count moved tokens against."""
+    by_length = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    short_ids = [i for i in by_length if lens[i] <= C]
+    share = sum(local_ms(lens[i], cost) for i in short_ids) / R
+    # with spread, a short sequence whose work alone exceeds a balanced rank's may get a ring too
+    ring_ids = [i for i in by_length if lens[i] > C or (spread and local_ms(lens[i], cost) > share)]
+    chosen = set(ring_ids)
+    short_ids = [i for i in short_ids if i not in chosen]
+    rings, clock, gaps, back = _place_rings(lens, ring_ids, short_ids, R, C, cost, spread)
+    if home is not None:
+        rings, gaps, clock = relabel_rings(rings, gaps, clock, home, cost)
+    short_ids = sorted(short_ids + back, key=lambda i: (-lens[i], i))
     if mode == "dp":
-        filled, rest = _fill_gaps(short_ids, lens, gaps, cost)
+        filled, rest = _fill_gaps(short_ids, lens, gaps, cost, home)
     else:
         filled, rest = {}, short_ids
     tail = _lpt(rest, lens, clock, cost)
+    local = False
+    if home is not None and mode == "dp":
+        tail, local = home_first(rest, lens, clock, home, cost, tail)
+    plan = _emit(lens, R, C, mode, rings, filled, tail)
+    return _with_notes(plan, rings, filled, short_ids, C, loaded, local or home is None)
 
+
+def _emit(lens, R: int, C: int, mode: str, rings, filled, tail) -> Plan:
+    """Step 3: the micro-batches (module docstring)."""
     out: List[List[Tuple[Shard, ...]]] = [[] for _ in range(R)]
 
     def local_mbs(ids):
@@ -303,20 +354,28 @@ def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
             for b in split_to(bins[r], slots - len(out[r]), lens):
                 out[r].append(tuple(Shard(i, lens[i]) for i in b))
             out[r].extend([()] * (slots - len(out[r])))
+    return Plan(scheduler="hdp", ranks=R, capacity_tokens=C, seq_lens=tuple(lens),
+                microbatches=tuple(tuple(mbs) for mbs in out), mode=mode)
+
+
+def _with_notes(plan: Plan, rings, filled, short_ids, C: int, home, local: bool) -> Plan:
+    import dataclasses
 
     n_gap = sum(len(v) for v in filled.values())
     sizes = ", ".join(str(n) for n in sorted({len(x.ring) for x in rings}))
+    wider = sum(len(x.ring) > (ranks_needed(x.seq_len, C) if x.seq_len > C else 1) for x in rings)
     notes = [
-        f"{len(rings)} sequences > C on rings of {sizes} ranks" if rings else "no sequence > C: no ring, no CP traffic",
-        f"{len(short_ids)} sequences <= C held whole"
-        + (f", {n_gap} of them in the gaps before rings" if n_gap else ""),
+        (f"{len(rings)} sequences on rings of {sizes} ranks" + (f", {wider} of them on more ranks than they need "
+                                                                 f"(spread for balance)" if wider else ""))
+        if rings else "no ring, no CP traffic",
+        f"{len(short_ids)} sequences held whole" + (f", {n_gap} of them in the gaps before rings" if n_gap else ""),
     ]
-    return Plan(
-        scheduler="hdp",
-        ranks=R,
-        capacity_tokens=C,
-        seq_lens=lens,
-        microbatches=tuple(tuple(mbs) for mbs in out),
-        mode=mode,
-        notes=tuple(notes),
-    )
+    if home is not None:
+        notes.append(f"locality: {plan.moved_tokens(home)} of {sum(plan.seq_lens)} tokens move to another rank"
+                     + ("" if local or mode_is_pp(plan) else " (short sequences dealt by LPT: home first would "
+                        "lengthen the step)"))
+    return dataclasses.replace(plan, notes=tuple(notes))
+
+
+def mode_is_pp(plan: Plan) -> bool:
+    return plan.mode == "pp"

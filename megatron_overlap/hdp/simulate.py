@@ -12,7 +12,7 @@ rank::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Sequence, Tuple
 
 from .cost import HdpCostModel
 from .plan import Plan
@@ -70,3 +70,34 @@ def simulate(plan: Plan, cost: HdpCostModel) -> StepTime:
                 raise ValueError(f"plan deadlocks in phase {phase}: rings waiting {sorted(waiting)}")
     work = [sum(d) for d in dur]
     return StepTime(step_ms=max(now) if now else 0.0, end_ms=now, work_ms=work)
+
+
+def _options(seq_len: int, ranks: int, capacity_tokens: int, cost) -> Tuple[float, float]:
+    """(the shortest per-peer time, the least total busy time) of one sequence over every ring
+    size it may take: from the fewest ranks that hold it (1 when it fits one rank) to all
+    ``ranks``, each ring within one node when it fits (the cheaper link)."""
+    from .shard import ranks_needed
+
+    low = 1 if seq_len <= capacity_tokens else ranks_needed(seq_len, capacity_tokens)
+    best, area = float("inf"), float("inf")
+    for n in range(low, ranks + 1):
+        w = cost.sequence_ms(seq_len, n)
+        best, area = min(best, w), min(area, n * w)
+    return best, area
+
+
+def lower_bound_ms(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, cost) -> float:
+    """No plan of these sequences on ``ranks`` ranks can take less (under ``cost``, micro-batch
+    overheads left out)::
+
+        max( sum_i min_n n w_i(n) / R ,  max_i min_n w_i(n) )
+
+    w_i(n): sequence i's per-peer time on a ring of n (``cost.sequence_ms``), n from the fewest
+    ranks that hold it to R. The first term is perfect balance of the least work, the second the
+    longest sequence at its best spread."""
+    options = {}
+    for L in seq_lens:
+        if L not in options:
+            options[L] = _options(L, ranks, capacity_tokens, cost)
+    total = sum(options[L][1] for L in seq_lens)
+    return max(total / ranks, max(options[L][0] for L in seq_lens))
