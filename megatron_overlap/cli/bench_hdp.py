@@ -188,8 +188,8 @@ def schedule(name: str, seq_lens, ranks: int, capacity_tokens: int, cost=None, *
 
 
 def loading_ranks(count: int, ranks: int) -> List[int]:
-    """Which rank loads sequence i: ``i mod R``, as Megatron's data-parallel sampler deals a
-    global batch of micro-batch size 1 (rank r gets samples r, r + R, ...)."""
+    """Which rank loads sequence i: ``i mod R``, as Megatron's data-parallel sampler deals out a
+    full batch at micro-batch size 1 (rank r gets samples r, r + R, ...)."""
     return [i % ranks for i in range(count)]
 
 
