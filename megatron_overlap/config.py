@@ -359,6 +359,7 @@ class ModelContext:
     documents: Optional[bool] = None  # the GPT dataset marks documents (reset attention mask and positions)
     per_token_loss: Optional[bool] = None  # calculate_per_token_loss
     position_embedding: Optional[str] = None
+    world_size: Optional[int] = None
 
     @classmethod
     def from_megatron_args(cls, args: argparse.Namespace) -> "ModelContext":
@@ -382,6 +383,7 @@ class ModelContext:
                 get("reset_attention_mask") and get("reset_position_ids")),
             per_token_loss=get("calculate_per_token_loss"),
             position_embedding=get("position_embedding_type"),
+            world_size=get("world_size"),
         )
 
 

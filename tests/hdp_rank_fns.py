@@ -50,9 +50,9 @@ def global_samples(seed: int, lengths=LENGTHS):
     return out
 
 
-def build_model(position: str, seq: int):
-    """The tiny GPT of ``testing.tiny_gpt`` (local spec, fp32, TP 1) with a choice of position
-    embedding (tiny_gpt.build fixes rope)."""
+def build_model(position: str, seq: int, tp: int = 1):
+    """The tiny GPT of ``testing.tiny_gpt`` (local spec, fp32; TP ``tp``, with sequence parallelism
+    when > 1) with a choice of position embedding (tiny_gpt.build fixes rope)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -60,7 +60,7 @@ def build_model(position: str, seq: int):
     from megatron_overlap.lab.tiny_gpt import TinyGPT, _SPNorm, transformer_config
 
     spec = TinyGPT(seq=seq, vocab=VOCAB)
-    config = transformer_config(spec, 1, sequence_parallel=False)
+    config = transformer_config(spec, tp, sequence_parallel=tp > 1)
     layer = get_gpt_layer_local_spec(normalization=spec.normalization)
     layer.submodules.input_layernorm = _SPNorm
     layer.submodules.pre_mlp_layernorm = _SPNorm
@@ -88,16 +88,22 @@ def _total_rel(a: dict, b: dict) -> float:
     return float((num / den).sqrt())
 
 
-def reference(model, samples) -> float:
-    """One process, the whole batch: each sequence alone with a causal mask and positions
-    0..L-1 (stock Megatron attention, no ring context); mean over every loss-weighted token."""
+def reference(model, samples, multiple: int = 1) -> float:
+    """One process (one TP group), the whole batch: each sequence alone with a causal mask and
+    positions 0..L-1 (stock Megatron attention, no ring context); mean over every loss-weighted
+    token. ``multiple``: each sequence padded at its end to a multiple of it (sequence
+    parallelism splits the rows over TP; causal attention keeps the padding out of every real
+    token's output, and its loss weight is 0)."""
     total_tokens = sum(float(s.loss_mask.sum()) for rank in samples for s in rank)
     loss_sum = 0.0
     for s in itertools.chain.from_iterable(samples):
-        L = len(s)
+        L = -(-len(s) // multiple) * multiple
+        pad = L - len(s)
+        tokens, labels = (torch.cat([t, t.new_zeros(pad)]) for t in (s.tokens, s.labels))
+        weight = torch.cat([s.loss_mask, s.loss_mask.new_zeros(pad)])
         mask = torch.triu(torch.ones(1, 1, L, L, dtype=torch.bool), diagonal=1)
-        losses = model(s.tokens[None], torch.arange(L)[None], mask, labels=s.labels[None])
-        loss = (losses.float().reshape(-1) * s.loss_mask).sum() / total_tokens
+        losses = model(tokens[None], torch.arange(L)[None], mask, labels=labels[None])
+        loss = (losses.float().reshape(-1) * weight).sum() / total_tokens
         loss.backward()
         loss_sum += loss.item()
     return loss_sum
@@ -166,6 +172,61 @@ def exactness(seed: int, position: str = "rope") -> dict:
             microbatches=step.num_microbatches, iterator_microbatches=n, moved_tokens=step.moved_tokens,
             signature=repr(step.plan.microbatches), lengths=list(step.seq_lens),
         )
+    finally:
+        _uninstall()
+
+
+# TP = 2 x HDP = 2 on the 4 ranks: per HDP rank (a TP group), the samples it loads; C = 40, so
+# 70 and 61 run on rings of the two TP groups, the rest whole.
+TP_LENGTHS = ((70, 9, 17, 40, 3), (5, 30, 23, 61, 12))
+TP_CAPACITY = 40
+
+
+def _sp_summed(model, grads: dict) -> dict:
+    """Gradients of the parameters sequence parallelism replicates over TP (the norms) summed over
+    the TP group, as Megatron's ``finalize_model_grads`` does: each TP rank only saw its rows."""
+    from megatron.core import parallel_state
+
+    for name, p in model.named_parameters():
+        if getattr(p, "sequence_parallel", False):
+            dist.all_reduce(grads[name], group=parallel_state.get_tensor_model_parallel_group())
+    return grads
+
+
+def exactness_tp(seed: int) -> dict:
+    """HDP with tensor parallelism: each HDP rank is a TP group of 2 running the TP-overlap
+    linears (sequence parallelism on); rings run between the TP groups at the same TP rank.
+    Against each TP group running the whole batch itself (plain DP x TP's gradient)."""
+    import megatron_overlap
+    from megatron.core import parallel_state
+
+    from megatron_overlap.hdp import runtime as hdp
+    from megatron_overlap.integration.hdp import make_runtime
+    from megatron_overlap.lab.tiny_gpt import init_parallel
+
+    init_parallel(2, seed=seed)
+    megatron_overlap.uninstall()
+    installation = megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(
+        ["--hdp", "--hdp-max-tokens-per-rank", str(TP_CAPACITY), "--overlap-tp", "p2p"]))
+    try:
+        samples = global_samples(seed, lengths=TP_LENGTHS)
+        model = build_model("rope", seq=max(itertools.chain.from_iterable(TP_LENGTHS)) + 2, tp=2)
+        ref_loss = reference(model, samples, multiple=2)
+        ref = _sp_summed(model, _grads(model))
+        _zero(model)
+        calls_ref = installation.calls["tp.column"]
+        rt = make_runtime(installation.config.hdp)  # Megatron's DP group: the ranks of this TP rank
+        step = rt.step(samples[parallel_state.get_data_parallel_rank()])
+        step.plan.validate()
+        result = hdp.forward_backward(model, step)
+        loss = hdp.reduce_loss(result.loss, rt.group)
+        hdp.reduce_gradients(model, rt.group)
+        got = _sp_summed(model, _grads(model))
+        return dict(rank=dist.get_rank(), loss=loss, ref_loss=ref_loss, grad_rel=_rel(got, ref),
+                    grad_total_rel=_total_rel(got, ref), group=dist.get_process_group_ranks(rt.group),
+                    rows=[mb.layout.rows for mb in step.microbatches], my_rings=[len(mb.ring) for mb in step.microbatches],
+                    tp_calls=installation.calls["tp.column"] - calls_ref, row_multiple=rt.row_multiple,
+                    signature=repr(step.plan.microbatches))
     finally:
         _uninstall()
 

@@ -67,6 +67,20 @@ def test_same_plan_on_every_rank(exact_rope):
     assert moved[0] <= schedule_hdp(lengths, 4, hdp_rank_fns.CAPACITY).moved_tokens(home)
 
 
+def test_tensor_parallel_inside_hdp_is_exact(pool4):
+    """TP = 2 x HDP = 2: each HDP rank a TP group (TP-overlap linears, sequence parallelism),
+    rings between the groups at the same TP rank; the loss and every gradient of plain DP x TP."""
+    results = pool4.run(hdp_rank_fns.exactness_tp, random.randrange(1 << 20))
+    for r in results:
+        assert abs(r["loss"] - r["ref_loss"]) <= REL_TOL * abs(r["ref_loss"]), r
+        worst = max(r["grad_rel"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= REL_TOL and r["grad_total_rel"] <= REL_TOL, worst
+        assert r["group"] == [r["rank"] % 2, r["rank"] % 2 + 2]  # the DP ranks of one TP rank
+        assert r["tp_calls"] > 0 and r["row_multiple"] == 2 and all(rows % 2 == 0 for rows in r["rows"])
+        assert 2 in r["my_rings"] and 1 in r["my_rings"], r["my_rings"]  # rings between TP groups, and whole ones
+    assert len({r["signature"] for r in results}) == 1  # one plan on all four ranks
+
+
 def test_one_rank_ring_runs_unpadded_packed_documents(pool4):
     for r in pool4.run(hdp_rank_fns.one_rank_ring, random.randrange(1 << 20)):
         assert r["pad_unchanged"]

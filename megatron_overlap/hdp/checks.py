@@ -26,10 +26,16 @@ def check_hdp_model(hdp, ctx) -> None:
     if ctx.transformer_impl == "transformer_engine":
         raise OverlapConfigError(
             "hdp.enabled", "runs its rings through Megatron's local attention; pass `megatron.transformer_impl` local")
-    if ctx.tp_size is not None and ctx.tp_size > 1:
+    if ctx.pp_size == 1 and hdp.mode == "pp" and "mode" in hdp.explicit:
         raise OverlapConfigError(
-            "hdp.enabled", f"with `megatron.tensor_model_parallel_size` {ctx.tp_size} is not supported yet: the "
-            "runtime shards sequences across data-parallel ranks only. Use TP 1 with `hdp.enabled`")
+            "hdp.mode", "pp keeps similar lengths at each micro-batch index for a pipeline, and this run has "
+            "`megatron.pipeline_model_parallel_size` 1: use `hdp.mode` dp (the default)")
+    tp, world = ctx.tp_size or 1, ctx.world_size
+    if world is not None and world % (tp * (ctx.pp_size or 1)):
+        raise OverlapConfigError(
+            "megatron.tensor_model_parallel_size", f"`hdp.enabled` groups the data-parallel ranks of each TP rank; "
+            f"the world of {world} ranks does not split into TP groups of {tp} x pipeline stages of "
+            f"{ctx.pp_size or 1}: choose sizes whose product divides the world size")
     if ctx.documents is False:
         raise OverlapConfigError(
             "megatron.reset_attention_mask",

@@ -178,18 +178,23 @@ class HdpRuntime:
     ``capacity_tokens``: C of ``--hdp-max-tokens-per-rank``; ``mode``: ``--hdp-mode`` (dp, pp);
     ``scheduler``: ``hdp`` or ``static`` (the fixed-CP baseline, for comparisons);
     ``adapter``: the model adapter (module docstring); ``device``: where micro-batch tensors go
-    (default: the current CUDA device under NCCL, else CPU). ``integration.hdp.make_runtime``
+    (default: the current CUDA device under NCCL, else CPU); ``row_multiple``: every micro-batch's
+    rows padded to a multiple of it (the TP size under sequence parallelism: each HDP "rank" is
+    then a TP group, its TP ranks holding the same samples and running the same plan). ``integration.hdp.make_runtime``
     builds one from the config of ``--hdp`` for Megatron's model and groups."""
 
     def __init__(self, capacity_tokens: int, group: dist.ProcessGroup, adapter, mode: str = "dp",
-                 scheduler: str = "hdp", cost=None, device=None):
+                 scheduler: str = "hdp", cost=None, device=None, row_multiple: int = 1):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"the HDP runtime runs the {' or '.join(SCHEDULERS)} scheduler, not {scheduler!r}")
         if mode not in MODES:
             raise OverlapConfigError("hdp.mode", f"unknown mode {mode!r}; choose dp or pp")
         if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens <= 0:
             raise OverlapConfigError("hdp.max_tokens", f"must be a positive number of tokens, got {capacity_tokens!r}")
+        if isinstance(row_multiple, bool) or not isinstance(row_multiple, int) or row_multiple < 1:
+            raise ValueError(f"row_multiple must be a positive integer, got {row_multiple!r}")
         self.capacity_tokens, self.mode, self.scheduler, self.cost = capacity_tokens, mode, scheduler, cost
+        self.row_multiple = row_multiple
         self.group, self.adapter = group, adapter
         self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
         if device is None:
@@ -214,7 +219,8 @@ class HdpRuntime:
         plan = self.plan(lens, home=[rank for rank, _ in owners])
         if any(p for ph in plan.phases for p in ph):
             raise ValueError("the HDP runtime runs plans of one phase (no barriers between groups of micro-batches)")
-        layouts = [row_layout(mb, k, self.rank) for k, mb in enumerate(plan.microbatches[self.rank]) if mb]
+        layouts = [row_layout(mb, k, self.rank, self.row_multiple) for k, mb in enumerate(plan.microbatches[self.rank])
+                   if mb]
         data, moved = exchange_rows(plan, samples, owners, self.group)
         mbs = [self._microbatch(layout, rows) for layout, rows in zip(layouts, data)]
         return HdpStep(plan, self.rank, self.group, self.adapter, mbs, lens, weights, owners, moved)
@@ -228,8 +234,9 @@ class HdpRuntime:
                           positions.to(dev), self.adapter.packed_params(layout))
 
     def idle_microbatch(self) -> "MicroBatch":
-        """One masked token on this rank alone (``layout.idle_layout``)."""
-        return self.microbatch(idle_layout(self.rank), torch.zeros(1, 3, dtype=torch.int64))
+        """``row_multiple`` masked tokens on this rank alone (``layout.idle_layout``)."""
+        return self.microbatch(idle_layout(self.rank, self.row_multiple),
+                               torch.zeros(self.row_multiple, 3, dtype=torch.int64))
 
     def _microbatch(self, layout: RowLayout, docs: List[torch.Tensor]) -> "MicroBatch":
         data = torch.zeros(layout.rows, 3, dtype=torch.int64)

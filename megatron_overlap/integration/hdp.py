@@ -144,10 +144,6 @@ def check_model(model, recompute_allowed: bool = True) -> None:
 
 
 def _check_config(config, recompute_allowed: bool) -> None:
-    if getattr(config, "tensor_model_parallel_size", 1) > 1:
-        raise OverlapConfigError(
-            "megatron.tensor_model_parallel_size", "the `hdp.enabled` runtime runs with tensor-parallel size 1 so far "
-            "(its rings are over the data-parallel group of one TP rank, untested with TP > 1); use TP 1")
     if getattr(config, "context_parallel_size", 1) > 1:
         raise OverlapConfigError("megatron.context_parallel_size", "`hdp.enabled` picks each sequence's ring itself; "
                                  "set 1")
@@ -179,12 +175,18 @@ def default_group() -> dist.ProcessGroup:
 
 def make_runtime(hdp, group: Optional[dist.ProcessGroup] = None, **kwargs):
     """An ``HdpRuntime`` for the config's HDP section ``hdp`` (``OverlapConfig.hdp``) over ``group``
-    (default: :func:`default_group`), with the Megatron model adapter. ``kwargs`` go to the
-    runtime (``scheduler``, ``cost``, ``device``)."""
+    (default: :func:`default_group`, the data-parallel ranks that share this rank's TP rank), with
+    the Megatron model adapter and, with TP > 1, rows padded to a multiple of the TP size.
+    ``kwargs`` go to the runtime (``scheduler``, ``cost``, ``device``, ``row_multiple``)."""
     from ..hdp.runtime import HdpRuntime
 
     if not hdp.enabled:
         raise OverlapConfigError("hdp.enabled", "no `hdp.enabled` in this config: the HDP runtime needs it (with "
                                  "`hdp.max_tokens`)")
+    if "row_multiple" not in kwargs:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            kwargs["row_multiple"] = parallel_state.get_tensor_model_parallel_world_size()
     return HdpRuntime(hdp.max_tokens, group if group is not None else default_group(), MegatronModel(),
                       mode=hdp.mode, **kwargs)
