@@ -253,14 +253,30 @@ def test_demo_context_parallel(tmp_path, mode):
 
 
 def test_demo_hdp_cli():
+    """``demo --hdp``: static CP 4 and HDP on the same batch, the same loss and gradients, per-rank
+    busy time; the runtime executes the scheduler's plans (per rank, the tokens and micro-batches
+    the pure schedulers give these lengths, loaded round-robin)."""
+    from megatron_overlap.hdp import schedule_hdp
+    from megatron_overlap.hdp.baselines import schedule_static
+
     out = cli("demo", "--hdp", "--no-progress", "--json", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["grad_rel_diff"] <= 1e-5
-    static, hdp = result["layouts"]["static"], result["layouts"]["hdp"]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["grad_rel_diff"] <= 1e-5
+    static, hdp = r["layouts"]["static"], r["layouts"]["hdp"]
     assert static["loss"] == pytest.approx(hdp["loss"], rel=1e-5)
-    assert sorted(hdp["ring_sizes"]) != sorted(static["ring_sizes"])  # HDP shards fewer sequences
-    assert "[1/4]" not in out.stdout and "max/mean" in out.stdout
+    lens, C = r["lengths"], r["capacity"]
+    assert static["ring_sizes"] == [4] * len(lens) and sorted(hdp["ring_sizes"]) == [2, 2, 3]
+    for d in (static, hdp):
+        assert len(d["busy_ms"]) == 4 and min(d["busy_ms"]) > 0
+        assert sum(d["tokens"]) == sum(lens)  # every token computed exactly once
+    home = [i % 4 for i in range(len(lens))]
+    for name, plan in (("static", schedule_static(lens, 4, C)), ("hdp", schedule_hdp(lens, 4, C, home=home))):
+        d = r["layouts"][name]
+        assert sorted(d["tokens"]) == sorted(sum(t) for t in plan.tokens_per_microbatch()), name
+        assert sorted(d["microbatches"]) == sorted(plan.microbatches_per_rank()), name
+    assert hdp["moved_tokens"] == schedule_hdp(lens, 4, C, home=home).moved_tokens(home) < 461  # was 461 of 670
+    assert "[1/4]" not in out.stdout and "max/mean" in out.stdout and "static CP 4" in out.stdout
 
 
 def test_demo_layout_is_one_rank_per_core_and_says_so():

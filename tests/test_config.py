@@ -2,6 +2,7 @@
 names the flag to change."""
 
 import argparse
+import sys
 from pathlib import Path
 
 import pytest
@@ -347,3 +348,28 @@ def test_memory_budget_below_one_or_p_microbatches_is_refused():
         inflight_for_budget(1.0, 4, 16, per)
     with pytest.raises(OverlapConfigError, match="3 micro-batch.*holds 4 on its first stage even in 1F1B"):
         inflight_for_budget(10.0, 4, 16, per)
+
+
+def test_hdp_through_megatron_lms_loop_refuses_tensor_parallelism(monkeypatch):
+    """With Megatron-LM's training loop importable, --hdp wraps its schedule lookup; that path
+    runs TP 1 only (the script's get_batch broadcasts fixed shapes over TP): a clear stop."""
+    import types
+
+    training = types.ModuleType("megatron.training.training")
+    training.get_forward_backward_func = lambda *a, **k: None
+    package = types.ModuleType("megatron.training")
+    package.training = training
+    monkeypatch.setitem(sys.modules, "megatron.training", package)
+    monkeypatch.setitem(sys.modules, "megatron.training.training", training)
+    args = megatron_args("--hdp", "--hdp-max-tokens-per-rank", "64", tp=2, reset_attention_mask=True,
+                         reset_position_ids=True, calculate_per_token_loss=True)
+    with pytest.raises(OverlapConfigError) as info:
+        megatron_overlap.install(args)
+    assert info.value.flag == "--tensor-model-parallel-size"
+    assert "runs with TP 1 so far: pretrain_gpt.py's get_batch broadcasts fixed" in str(info.value)
+    assert not megatron_overlap.is_installed()
+    args.tensor_model_parallel_size = 1
+    inst = megatron_overlap.install(args)  # TP 1: the loop is wrapped
+    assert getattr(training.get_forward_backward_func, "__megatron_overlap__", None) is inst
+    megatron_overlap.uninstall()
+    assert not hasattr(training.get_forward_backward_func, "__megatron_overlap__")

@@ -156,26 +156,6 @@ def test_runtime_arguments_refused_before_any_communication():
         HdpRuntime(32, group, adapter, scheduler="megatron_balanced")
 
 
-def test_demo_static_and_hdp_agree_and_report_per_rank_busy_time():
-    from megatron_overlap.cli.demo_hdp import run_hdp_demo
-
-    lines = []
-    r = run_hdp_demo(out=lines.append, repeats=1, lengths=(70, 40, 30, 23, 9, 5), capacity=32, hidden=64, ffn=128)
-    s, h = r["layouts"]["static"], r["layouts"]["hdp"]
-    assert s["ring_sizes"] == [4] * 6 and h["ring_sizes"] == [3, 2]  # static CP 4 (divides R) vs rings of 3 and 2
-    assert abs(s["loss"] - h["loss"]) <= REL_TOL * abs(h["loss"]) and r["grad_rel_diff"] <= REL_TOL
-    for d in (s, h):
-        assert len(d["busy_ms"]) == 4 and min(d["busy_ms"]) > 0 and d["step_ms"] >= max(d["busy_ms"])  # one timed step: CPU time <= wall
-        assert sum(d["tokens"]) == sum(r["lengths"])  # every token computed exactly once
-    # the runtime executes the scheduler's plan: per rank, the tokens and micro-batches the pure
-    # scheduler assigns to these lengths (multisets: which rank loads which sample may differ)
-    for name, plan in (("static", schedule_static(r["lengths"], 4, 32)), ("hdp", schedule_hdp(r["lengths"], 4, 32))):
-        d = r["layouts"][name]
-        assert sorted(d["tokens"]) == sorted(sum(t) for t in plan.tokens_per_microbatch()), name
-        assert sorted(d["microbatches"]) == sorted(plan.microbatches_per_rank()), name
-    assert any(line.startswith("static CP 4") for line in lines) and any(line.startswith("hdp ") for line in lines)
-
-
 def test_split_documents_cuts_megatron_rows_where_positions_reset():
     """``--hdp`` through pretrain_gpt.py: a GPT-dataset row with --reset-position-ids holds its
     documents one after another; each restart of the positions begins a document."""

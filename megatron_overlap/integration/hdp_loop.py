@@ -41,6 +41,12 @@ def patch(inst) -> None:
         from megatron.training import training
     except ImportError:
         return  # megatron-core only: the user's loop drives hdp.runtime.HdpDataIterator itself
+    if (inst.context.tp_size or 1) > 1:
+        raise OverlapConfigError(
+            "megatron.tensor_model_parallel_size", "`hdp.enabled` through Megatron-LM's training loop runs with TP 1 "
+            "so far: pretrain_gpt.py's get_batch broadcasts fixed [micro-batch, seq-length] tensors over the TP "
+            "group, and HDP's micro-batches vary in length. With TP > 1 drive the runtime from your own loop "
+            "(megatron_overlap.integration.hdp.make_runtime pads the rows for TP)")
     loop = _Loop(inst)
     original = training.__dict__[_NAME]
 
