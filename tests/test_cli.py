@@ -279,6 +279,20 @@ def test_demo_hdp_cli():
     assert "[1/4]" not in out.stdout and "max/mean" in out.stdout and "static CP 4" in out.stdout
 
 
+def test_demo_hdp_with_tensor_parallelism():
+    """``demo --hdp --tp 2``: 4 ranks as TP 2 x HDP 2, each HDP rank a TP group running the
+    TP-overlap linears; static CP 2 and HDP give the same loss and gradients."""
+    out = cli("demo", "--hdp", "--tp", "2", "--no-progress", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    static, hdp = r["layouts"]["static"], r["layouts"]["hdp"]
+    assert r["tp"] == 2 and r["capacity"] == 128 and r["tp_column_calls"] > 0
+    assert static["loss"] == pytest.approx(hdp["loss"], rel=1e-5) and r["grad_rel_diff"] <= 1e-5
+    assert static["ring_sizes"] == [2] * len(r["lengths"]) and hdp["ring_sizes"] == [2]  # only 190 > C
+    assert all(rows % 2 == 0 for d in (static, hdp) for rows in d["rows"])  # rows split over the 2 TP ranks
+    assert "TP 2 x HDP 2" in out.stdout
+
+
 def test_demo_layout_is_one_rank_per_core_and_says_so():
     import argparse
 
@@ -300,6 +314,7 @@ def test_demo_layout_is_one_rank_per_core_and_says_so():
     (["--hdp", "--steps", "3"], "demo --hdp runs its own batch on 4 ranks and does not read --steps"),
     (["--hdp", "--seq", "64", "--world", "2"], "does not read --world, --seq"),
     (["--hdp-max-tokens-per-rank", "64"], "--hdp-max-tokens-per-rank only applies with --hdp"),
+    (["--hdp", "--tp", "4"], "demo --hdp runs 4 ranks as TP 1 x HDP 4 or TP 2 x HDP 2; --tp 4 is neither"),
     (["--cp", "2", "--overlap-tp-chunks", "4"], "runs with TP=1 (no TP overlap), so --overlap-tp-chunks"),
 ])
 def test_demo_modes_refuse_flags_they_do_not_use(flags, words):

@@ -220,12 +220,14 @@ def _given(args, names) -> list:
 def _refuse_unused(args) -> None:
     """Each demo mode refuses the flags it would ignore, naming them."""
     if getattr(args, "hdp", False):
-        given = _given(args, _TRAINING_FLAGS)
+        given = [n for n in _given(args, _TRAINING_FLAGS) if n != "tp"]
+        if args.tp not in (None, 1, 2):
+            raise SystemExit(f"demo --hdp runs 4 ranks as TP 1 x HDP 4 or TP 2 x HDP 2; --tp {args.tp} is neither")
         if given:
             names = ", ".join("--" + n.replace("_", "-").replace("-gbps", "-GBps") for n in given)
             raise SystemExit(f"demo --hdp runs its own batch on 4 ranks and does not read {names}; drop "
                              f"{'them' if len(given) > 1 else 'it'} (it takes --hdp-max-tokens-per-rank, --json, "
-                             "--no-progress)")
+                             "--tp, --no-progress)")
         return
     if args.hdp_capacity is not None:
         raise SystemExit("demo: --hdp-max-tokens-per-rank only applies with --hdp")
@@ -304,8 +306,9 @@ def main(args) -> int:
     if getattr(args, "hdp", False):
         from .demo_hdp import DEFAULT_CAPACITY, run_hdp_demo
 
-        result = run_hdp_demo(out=print if not args.no_progress else _table_only,
-                              capacity=args.hdp_capacity or DEFAULT_CAPACITY)
+        tp = args.tp or 1
+        result = run_hdp_demo(out=print if not args.no_progress else _table_only, tp=tp,
+                              capacity=args.hdp_capacity or DEFAULT_CAPACITY * tp)
         if args.json:
             print(json.dumps(result))
         return 0

@@ -1,8 +1,9 @@
 """``megatron-overlap demo --hdp``: hybrid data parallelism on real ranks, on a CPU.
 
-Four gloo ranks (spawned here) hold one tiny GPT each (Megatron's local spec, fp32, TP 1, CP 1,
-``--hdp`` installed) and one mixed-length full batch, dealt round-robin to the ranks as a data
-loader would. The same batch runs twice through ``hdp.runtime`` (lengths all-gathered, plan,
+Four gloo ranks (spawned here) hold one tiny GPT each (Megatron's local spec, fp32, CP 1,
+``--hdp`` installed) and one mixed-length full batch, dealt round-robin to the HDP ranks as a data
+loader would. TP 1: four HDP ranks. ``--tp 2``: two HDP ranks, each a TP group of two running
+the TP-overlap linears with sequence parallelism, rings between the groups. The same batch runs twice through ``hdp.runtime`` (lengths all-gathered, plan,
 token exchange, forward + backward per micro-batch inside its ring context):
 
     static   the fixed-CP layout (``baselines.schedule_static``): one CP size for every sequence,
@@ -50,7 +51,7 @@ def _cpu_only_children():
 
 def run_hdp_demo(out: Optional[Callable[[str], None]] = print, ranks: int = 4,
                  lengths: Sequence[int] = DEFAULT_LENGTHS, capacity: int = DEFAULT_CAPACITY, repeats: int = 5,
-                 seed: int = 1234, hidden: int = 256, ffn: int = 704, layers: int = 2) -> dict:
+                 seed: int = 1234, hidden: int = 256, ffn: int = 704, layers: int = 2, tp: int = 1) -> dict:
     """Run the demo (module docstring); ``out`` gets progress lines and the table (None: quiet).
     Returns the measured numbers: per layout, per-rank ``busy_ms`` (CPU), ``wall_ms``,
     micro-batches, rows, tokens, plus ``step_ms``, ``imbalance`` (max / mean busy), ``loss``; and
@@ -63,16 +64,20 @@ def run_hdp_demo(out: Optional[Callable[[str], None]] = print, ranks: int = 4,
     say = out or (lambda _line: None)
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if tp < 1 or ranks % tp:
+        raise ValueError(f"--tp {tp} does not divide the {ranks} ranks")
     lengths = tuple(int(L) for L in lengths)
-    check_batch(lengths, ranks, capacity)
+    check_batch(lengths, ranks // tp, capacity)
+    shape = (f"{ranks} CPU gloo ranks" if tp == 1 else
+             f"{ranks} CPU gloo ranks as TP {tp} x HDP {ranks // tp} (each HDP rank a TP group, TP overlap on)")
     say(f"HDP demo: {len(lengths)} sequences of {min(lengths)}..{max(lengths)} tokens ({sum(lengths)} in all) "
-        f"on {ranks} CPU gloo ranks, C = {capacity} tokens per rank per micro-batch")
+        f"on {shape}, C = {capacity} tokens per HDP rank per micro-batch")
     say(f"[1/4] starting {ranks} ranks and building the model on each ...")
     t_start = time.perf_counter()
-    result = {"ranks": ranks, "capacity": capacity, "lengths": list(lengths), "layouts": {},
+    result = {"ranks": ranks, "tp": tp, "capacity": capacity, "lengths": list(lengths), "layouts": {},
               "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
     with _cpu_only_children(), RankPool(ranks, timeout=900, threads_per_rank=1) as pool:
-        demo = RemoteSession(pool, HdpDemoRanks, lengths, capacity, seed, hidden, ffn, layers)
+        demo = RemoteSession(pool, HdpDemoRanks, lengths, capacity, seed, hidden, ffn, layers, tp)
         for i, layout in enumerate(LAYOUTS):
             say(f"[{i + 2}/4] {layout}: plan, load, 1 warm-up + {repeats} timed steps ...")
             rows = demo.call("measure", layout, repeats)
@@ -92,7 +97,8 @@ def run_hdp_demo(out: Optional[Callable[[str], None]] = print, ranks: int = 4,
                 "loss": rows[0]["loss"],
             }
         say("[4/4] comparing the two layouts' gradients ...")
-        result["grad_rel_diff"] = demo.call("compare_grads")[0]
+        result["grad_rel_diff"] = max(demo.call("compare_grads"))
+        result["tp_column_calls"] = sum(demo.call("tp_calls"))
         demo.close()
     result["seconds"] = time.perf_counter() - t_start
     for line in format_table(result).splitlines():
@@ -114,6 +120,10 @@ def format_table(result: dict) -> str:
     widths = [max(len(str(row[i])) for row in [head, *table]) for i in range(len(head))]
     fmt = lambda row: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths)))  # noqa: E731
     lines.append("busy ms per rank = thread CPU time of forward + backward (median of the timed steps)")
+    tp = result.get("tp", 1)
+    if tp > 1:
+        lines.append(f"(TP {tp} x HDP {ranks // tp}: ranks 0-{tp - 1} are HDP rank 0's TP group, and so on; TP overlap on, "
+                     f"{result.get('tp_column_calls', 0)} column-parallel GEMMs overlapped)")
     if result.get("cpu_cores") and result["cpu_cores"] < ranks:
         lines.append(f"({ranks} ranks share {result['cpu_cores']} CPU cores: step times include waits for a core)")
     lines.append(fmt(head))

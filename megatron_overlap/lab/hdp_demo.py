@@ -1,6 +1,7 @@
 """The rank side of ``megatron-overlap demo --hdp`` (driver: ``cli/demo_hdp.py``): per rank, one
-tiny GPT with ``--hdp`` installed, its share of a mixed-length batch, and the static and HDP
-layouts of the same batch run through the HDP runtime."""
+tiny GPT with ``--hdp`` installed (and, at TP > 1, TP overlap: each HDP rank is a TP group), its
+share of a mixed-length batch, and the static and HDP layouts of the same batch run through the
+HDP runtime."""
 
 from __future__ import annotations
 
@@ -16,24 +17,26 @@ class HdpDemoRanks:
     """Per-rank state (through ``lab.session``): the model, this rank's samples, the gradients of
     each layout."""
 
-    def __init__(self, lengths: Sequence[int], capacity: int, seed: int, hidden: int, ffn: int, layers: int):
+    def __init__(self, lengths: Sequence[int], capacity: int, seed: int, hidden: int, ffn: int, layers: int,
+                 tp: int = 1):
         import megatron_overlap
+        from megatron.core import parallel_state
 
         from ..hdp.samples import Sample
         from .tiny_gpt import TinyGPT, build, init_parallel
 
-        init_parallel(1, seed=seed)
+        init_parallel(tp, seed=seed)
         megatron_overlap.uninstall()
-        self.installation = megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(
-            ["--hdp", "--hdp-max-tokens-per-rank", str(capacity)]))
-        spec = TinyGPT(num_layers=layers, hidden=hidden, ffn=ffn, heads=8, kv_heads=2, vocab=512, seq=max(lengths))
-        self.model = build(spec, tp=1, sequence_parallel=False)
+        flags = ["--hdp", "--hdp-max-tokens-per-rank", str(capacity)] + (["--overlap-tp", "p2p"] if tp > 1 else [])
+        self.installation = megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(flags))
+        spec = TinyGPT(num_layers=layers, hidden=hidden, ffn=ffn, heads=8, kv_heads=2, vocab=512, seq=max(lengths) + tp)
+        self.model = build(spec, tp=tp, sequence_parallel=tp > 1)
         gen = torch.Generator().manual_seed(seed)
-        me, world = dist.get_rank(), dist.get_world_size()
+        me, world = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         self.samples = []
         for i, L in enumerate(lengths):
             tokens = torch.randint(0, spec.vocab, (L + 1,), generator=gen)
-            if i % world == me:  # dealt round-robin: this rank's data iterator loaded it
+            if i % world == me:  # dealt round-robin over the HDP ranks: this TP group's data iterator loaded it
                 self.samples.append(Sample(tokens[:-1], tokens[1:], torch.ones(L)))
         self.grads = {}
 
@@ -44,10 +47,11 @@ class HdpDemoRanks:
         from ..hdp.runtime import forward_backward, reduce_gradients, reduce_loss
         from ..integration.hdp import make_runtime
 
-        model, group = self.model, dist.group.WORLD
-        runtime = make_runtime(self.installation.config.hdp, group=group, scheduler=layout)
+        model, world = self.model, dist.group.WORLD
+        runtime = make_runtime(self.installation.config.hdp, scheduler=layout)  # the DP ranks of this TP rank
+        group = runtime.group
         runtime.step(self.samples)  # the first call of a process pays one-time costs (imports)
-        dist.barrier(group)
+        dist.barrier(world)
         t0 = time.perf_counter()
         step = runtime.step(self.samples)
         load_ms = 1e3 * (time.perf_counter() - t0)
@@ -55,17 +59,18 @@ class HdpDemoRanks:
         busy, wall, steps = [], [], []
         for _ in range(repeats):
             model.zero_grad(set_to_none=True)
-            dist.barrier(group)
+            dist.barrier(world)
             start = time.perf_counter()
             result = forward_backward(model, step)
             end = time.perf_counter()
             span = torch.tensor([-start, end], dtype=torch.float64)
-            dist.all_reduce(span, op=dist.ReduceOp.MAX, group=group)  # earliest start, latest end
+            dist.all_reduce(span, op=dist.ReduceOp.MAX, group=world)  # earliest start, latest end
             steps.append(1e3 * float(span.sum()))
             busy.append(1e3 * sum(result.cpu_s))
             wall.append(1e3 * sum(result.wall_s))
         loss = reduce_loss(result.loss, group)
         reduce_gradients(model, group)
+        _sum_sequence_parallel_grads(model)
         self.grads[layout] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
         return {
             "busy_ms": statistics.median(busy),
@@ -80,9 +85,24 @@ class HdpDemoRanks:
             "loss": loss,
         }
 
+    def tp_calls(self) -> int:
+        return self.installation.calls["tp.column"]
+
     def compare_grads(self) -> float:
         a, b = self.grads["static"], self.grads["hdp"]
         return float((a.double() - b.double()).norm() / b.double().norm())
 
     def close(self) -> None:
         self.installation.uninstall()
+
+
+def _sum_sequence_parallel_grads(model) -> None:
+    """Sum, over the TP group, the gradients of the parameters sequence parallelism replicates
+    (the norms: each TP rank saw only its rows), as Megatron's ``finalize_model_grads`` does."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    for p in model.parameters():
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
