@@ -189,13 +189,8 @@ def parser_error(capsys, *flags) -> str:
          "the world of 6 ranks does not split into TP groups of 4 x pipeline stages of 1"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp"], dict(tp=1), "--hdp-mode",
          "this run has --pipeline-model-parallel-size 1: use --hdp-mode dp"),
-        (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, reset_attention_mask=False, reset_position_ids=True),
-         "--reset-attention-mask", "marks the documents only with --reset-attention-mask and --reset-position-ids"),
-        (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, reset_attention_mask=True, reset_position_ids=False),
-         "--reset-attention-mask", "HDP has nothing to balance"),
-        (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, reset_attention_mask=True, reset_position_ids=True,
-                                                            calculate_per_token_loss=False),
-         "--calculate-per-token-loss", "add --calculate-per-token-loss"),
+        (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, overlap_grad_reduce=True), "--overlap-grad-reduce",
+         "Drop --overlap-grad-reduce: the reduction then runs once, after the schedule"),
         (["--overlap-pp", "1f1b"], dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=2), "--overlap-pp",
          "non-interleaved pipelines"),
         (["--overlap-pp", "1f1b"], dict(tp=1, pp=2, num_layers_per_virtual_pipeline_stage=1), "--overlap-pp",
@@ -249,9 +244,7 @@ def parser_error(capsys, *flags) -> str:
         "hdp-pp-mode-with-pp",
         "hdp-tp-not-dividing-the-world",
         "hdp-pp-mode-without-pp",
-        "hdp-without-document-mask",
-        "hdp-without-document-positions",
-        "hdp-without-per-token-loss",
+        "hdp-with-overlap-grad-reduce",
         "pp-interleaved",
         "pp-interleaved-by-layers",
         "pp-with-megatron-delay-wgrad",
@@ -350,26 +343,50 @@ def test_memory_budget_below_one_or_p_microbatches_is_refused():
         inflight_for_budget(10.0, 4, 16, per)
 
 
-def test_hdp_through_megatron_lms_loop_refuses_tensor_parallelism(monkeypatch):
-    """With Megatron-LM's training loop importable, --hdp wraps its schedule lookup; that path
-    runs TP 1 only (the script's get_batch broadcasts fixed shapes over TP): a clear stop."""
+def test_hdp_through_megatron_lms_loop_checks_what_the_script_path_needs(monkeypatch):
+    """With Megatron-LM's training loop importable, --hdp wraps its schedule lookup. The script
+    path (a plain data iterator) refuses, at its first schedule call and naming the flag, TP > 1
+    (the script's get_batch broadcasts fixed shapes over TP), samples without document marks, and
+    a model without per-token loss; a loop that hands in an HdpDataIterator is left alone."""
     import types
 
+    import torch
+
+    from megatron_overlap.hdp.runtime import HdpDataIterator
+
     training = types.ModuleType("megatron.training.training")
-    training.get_forward_backward_func = lambda *a, **k: None
+    training.get_forward_backward_func = lambda *a, **k: (lambda **kw: "ran")
     package = types.ModuleType("megatron.training")
     package.training = training
     monkeypatch.setitem(sys.modules, "megatron.training", package)
     monkeypatch.setitem(sys.modules, "megatron.training.training", training)
-    args = megatron_args("--hdp", "--hdp-max-tokens-per-rank", "64", tp=2, reset_attention_mask=True,
-                         reset_position_ids=True, calculate_per_token_loss=True)
-    with pytest.raises(OverlapConfigError) as info:
-        megatron_overlap.install(args)
-    assert info.value.flag == "--tensor-model-parallel-size"
-    assert "runs with TP 1 so far: pretrain_gpt.py's get_batch broadcasts fixed" in str(info.value)
-    assert not megatron_overlap.is_installed()
-    args.tensor_model_parallel_size = 1
-    inst = megatron_overlap.install(args)  # TP 1: the loop is wrapped
-    assert getattr(training.get_forward_backward_func, "__megatron_overlap__", None) is inst
-    megatron_overlap.uninstall()
+
+    class Model(torch.nn.Module):
+        def __init__(self, per_token):
+            super().__init__()
+            self.config = types.SimpleNamespace(calculate_per_token_loss=per_token)
+
+    def first_call(per_token=True, **megatron):
+        args = megatron_args("--hdp", "--hdp-max-tokens-per-rank", "64", **megatron)
+        inst = megatron_overlap.install(args)  # installs: an own loop may still drive the runtime
+        assert getattr(training.get_forward_backward_func, "__megatron_overlap__", None) is inst
+        schedule = training.get_forward_backward_func()
+        try:
+            with pytest.raises(OverlapConfigError) as info:
+                schedule(forward_step_func=None, data_iterator=iter([]), model=[Model(per_token)], num_microbatches=1)
+            own = HdpDataIterator.__new__(HdpDataIterator)
+            assert schedule(forward_step_func=None, data_iterator=own, model=[Model(per_token)],
+                            num_microbatches=1) == "ran"
+        finally:
+            megatron_overlap.uninstall()
+        return info.value
+
+    marked = dict(reset_attention_mask=True, reset_position_ids=True)
+    err = first_call(tp=2, **marked)
+    assert err.flag == "--tensor-model-parallel-size" and "pretrain_gpt.py's get_batch broadcasts fixed" in str(err)
+    err = first_call(tp=1, reset_attention_mask=False, reset_position_ids=True)
+    assert err.flag == "--reset-attention-mask" and "HDP has nothing to balance" in str(err)
+    assert "marks the documents only with --reset-attention-mask and --reset-position-ids" in str(err)
+    err = first_call(per_token=False, tp=1, **marked)
+    assert err.flag == "--calculate-per-token-loss" and "needs calculate_per_token_loss" in str(err)
     assert not hasattr(training.get_forward_backward_func, "__megatron_overlap__")

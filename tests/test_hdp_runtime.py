@@ -156,6 +156,26 @@ def test_runtime_arguments_refused_before_any_communication():
         HdpRuntime(32, group, adapter, scheduler="megatron_balanced")
 
 
+def test_row_layout_pads_rows_to_a_multiple_for_tensor_parallelism():
+    """TP > 1: a micro-batch's rows padded to a multiple of the TP size with a last document of
+    padding only; on a ring every peer gets the same extra rows, an even number (2n chunks)."""
+    plan = schedule_hdp([70, 9, 5], 2, 40, spread=False)
+    for multiple in (1, 2, 3, 4):
+        for rank in range(2):
+            for k, mb in enumerate(plan.microbatches[rank]):
+                if not mb:
+                    continue
+                base, padded = row_layout(mb, k, rank), row_layout(mb, k, rank, multiple)
+                assert padded.rows % multiple == 0 and padded.rows - base.rows < 2 * multiple
+                if len(base.ring) > 1:
+                    assert padded.rows % 2 == 0
+                assert torch.equal(padded.pos[padded.valid], base.pos[base.valid])  # the real rows unchanged
+                assert torch.equal(padded.doc[:base.rows], base.doc) and not padded.valid[base.rows:].any()
+                if padded.rows > base.rows:
+                    assert padded.seq_ids[-1] == -1 and padded.seq_lens[-1] == 0
+                    assert int(padded.cu_seqlens[-1]) == int(base.cu_seqlens[-1])
+
+
 def test_split_documents_cuts_megatron_rows_where_positions_reset():
     """``--hdp`` through pretrain_gpt.py: a GPT-dataset row with --reset-position-ids holds its
     documents one after another; each restart of the positions begins a document."""

@@ -1,12 +1,14 @@
-"""Hybrid data parallelism (HDP, after ByteScale): each sequence of a full batch on as few of the
-DP x CP ranks as hold it, short ones whole on one rank, long ones zigzag-sharded over a ring of
-ceil(L / C) ranks, every rank's work per step balanced.
+"""Hybrid data parallelism (HDP, after ByteScale): each sequence of a full batch on at least as many
+of the DP x CP ranks as hold it, short ones whole on one rank, long ones zigzag-sharded over a
+ring of ceil(L / C) ranks or more where that balances the step, every rank's work per step
+balanced, sequences kept where they were loaded where the step allows.
 
     shard.py       which rows of a sequence a rank holds (zigzag over an ordered ring)
     cost.py        what a rank spends on them (compute + exposed ring communication)
     plan.py        a step's plan as data (per rank, ordered micro-batches) and its invariants
     simulate.py    the step's timeline from a plan
     scheduler.py   the HDP scheduler (``schedule_hdp``)
+    locality.py    which plan rank is which, so sequences stay where they were loaded
     baselines.py   ``static`` CP, and megatron-core's ``BalancedCPScheduler`` output as a plan
     checks.py      model settings the runtime cannot honour (at install)
     packing.py     sequences into micro-batches of at most C rows

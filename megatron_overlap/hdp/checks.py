@@ -36,16 +36,9 @@ def check_hdp_model(hdp, ctx) -> None:
             "megatron.tensor_model_parallel_size", f"`hdp.enabled` groups the data-parallel ranks of each TP rank; "
             f"the world of {world} ranks does not split into TP groups of {tp} x pipeline stages of "
             f"{ctx.pp_size or 1}: choose sizes whose product divides the world size")
-    if ctx.documents is False:
+    if ctx.overlap_grad_reduce:
         raise OverlapConfigError(
-            "megatron.reset_attention_mask",
-            "`hdp.enabled` gives each document of a packed sample its own ring; Megatron's GPT dataset marks the "
-            "documents only with `megatron.reset_attention_mask` and `megatron.reset_position_ids` (without them a "
-            "sample is one sequence of `megatron.seq_length` tokens, attended across documents, and HDP has nothing "
-            "to balance). Add both")
-    if ctx.per_token_loss is False:
-        raise OverlapConfigError(
-            "megatron.calculate_per_token_loss",
-            "`hdp.enabled` gives ranks different numbers of tokens: add `megatron.calculate_per_token_loss` so "
-            "Megatron sums the gradients over ranks and divides by the step's token count (the mean over all "
-            "tokens, as plain data parallelism computes it)")
+            "megatron.overlap_grad_reduce", "`hdp.enabled` runs its ring transfers on the data-parallel group, and "
+            "its ranks run different numbers of micro-batches: with `megatron.overlap_grad_reduce` a rank would start "
+            "the gradient reduction on that group while a ring peer still exchanges with it (a deadlock on NCCL). "
+            "Drop `megatron.overlap_grad_reduce`: the reduction then runs once, after the schedule")

@@ -1,8 +1,10 @@
-"""The HDP scheduler: one step's full batch onto R = DP x CP ranks, each sequence on as few
-ranks as hold it, every rank's work per step within a small slack of the others.
+"""The HDP scheduler: one step's full batch onto R = DP x CP ranks, each sequence on at least the
+ranks that hold it (more where that shortens the step), every rank's work per step within a
+small slack of the others.
 
 Input: the sequence lengths of the full batch, the ranks R, the per-rank capacity C
-(``--hdp-max-tokens-per-rank``: rows one rank holds in a micro-batch, padding included) and the
+(``--hdp-max-tokens-per-rank``: rows one rank holds in a micro-batch, zigzag padding included;
+the TP padding of ``layout.row_layout`` comes on top) and the
 cost model (``cost.HdpCostModel``; every scheduler is scored by the same one). Output: a
 ``plan.Plan``, per rank the ordered micro-batches. Pure Python, no communication, deterministic:
 every rank computes the same plan from the same lengths (ties are broken by length, then by

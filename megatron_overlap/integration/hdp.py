@@ -157,8 +157,8 @@ def _check_config(config, recompute_allowed: bool) -> None:
     if not recompute_allowed and getattr(config, "recompute_granularity", None):
         raise OverlapConfigError(
             "megatron.recompute_granularity", "the HDP forward step enters the ring context for the forward only, "
-            "and recomputation re-runs the forward in the backward; use hdp.runtime.forward_backward (context kept "
-            "through the backward) or drop activation recomputation")
+            "and recomputation re-runs the forward in the backward: drop `megatron.recompute_granularity` (a loop of "
+            "your own can use hdp.runtime.forward_backward, which keeps the context through the backward)")
 
 
 def default_group() -> dist.ProcessGroup:
@@ -176,7 +176,8 @@ def default_group() -> dist.ProcessGroup:
 def make_runtime(hdp, group: Optional[dist.ProcessGroup] = None, **kwargs):
     """An ``HdpRuntime`` for the config's HDP section ``hdp`` (``OverlapConfig.hdp``) over ``group``
     (default: :func:`default_group`, the data-parallel ranks that share this rank's TP rank), with
-    the Megatron model adapter and, with TP > 1, rows padded to a multiple of the TP size.
+    the Megatron model adapter and, with TP > 1, rows padded to a multiple of the TP size
+    (sequence parallelism splits them; without it the padding is only wasted rows).
     ``kwargs`` go to the runtime (``scheduler``, ``cost``, ``device``, ``row_multiple``)."""
     from ..hdp.runtime import HdpRuntime
 

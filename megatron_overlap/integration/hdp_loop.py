@@ -18,6 +18,8 @@ name in ``megatron.training.training``. There it is wrapped so that each call of
    (``MicroBatch.context``), so the script's ``get_batch`` and loss function (NaN checks, its
    ``(loss sum, tokens, report)``) run as they are.
 
+Checked at the first call (a loop driving the runtime itself needs none of it): TP 1, documents
+marked (``--reset-attention-mask --reset-position-ids``), ``--calculate-per-token-loss``.
 Megatron's per-token-loss contract does the rest: with ``--calculate-per-token-loss`` the
 schedule does not divide by the micro-batch count, DDP sums the gradients over ranks, and
 ``finalize_model_grads`` divides them by the all-reduced token count; ``train_step`` reports
@@ -41,12 +43,6 @@ def patch(inst) -> None:
         from megatron.training import training
     except ImportError:
         return  # megatron-core only: the user's loop drives hdp.runtime.HdpDataIterator itself
-    if (inst.context.tp_size or 1) > 1:
-        raise OverlapConfigError(
-            "megatron.tensor_model_parallel_size", "`hdp.enabled` through Megatron-LM's training loop runs with TP 1 "
-            "so far: pretrain_gpt.py's get_batch broadcasts fixed [micro-batch, seq-length] tensors over the TP "
-            "group, and HDP's micro-batches vary in length. With TP > 1 drive the runtime from your own loop "
-            "(megatron_overlap.integration.hdp.make_runtime pads the rows for TP)")
     loop = _Loop(inst)
     original = training.__dict__[_NAME]
 
@@ -102,7 +98,7 @@ class _Loop:
             if isinstance(data_iterator, HdpDataIterator):
                 return schedule(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                                 num_microbatches=num_microbatches, **kwargs)
-            _check_per_token_loss(model)
+            _check_script_path(self.inst, model)
             step = HdpDataIterator(iter([self._documents(data_iterator, num_microbatches)]), self._runtime())
             count = step.start_step()
             self._count(step.current)
@@ -123,8 +119,9 @@ class _Loop:
         from ..hdp.samples import split_documents
 
         if data_iterator is None or isinstance(data_iterator, list):
-            raise OverlapConfigError("hdp.enabled", "needs one data iterator on every data-parallel rank (tensor "
-                                     "and pipeline size 1, no virtual pipeline)")
+            raise OverlapConfigError("hdp.enabled", "`hdp.enabled` through the training loop needs one data iterator "
+                                     "on every data-parallel rank (`megatron.tensor_model_parallel_size` and "
+                                     "`megatron.pipeline_model_parallel_size` 1, no virtual pipeline)")
         docs = []
         for _ in range(m):
             docs.extend(split_documents(next(data_iterator)))
@@ -151,9 +148,28 @@ def _in_ring(forward_step_func):
     return forward_step
 
 
-def _check_per_token_loss(model) -> None:
+def _check_script_path(inst, model) -> None:
+    """What the script path needs, checked at its first schedule call (every rank takes the same
+    branch: these are settings, not data). A loop that drives the runtime itself needs none of it."""
+    from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
 
+    ctx = inst.context
+    tp = ctx.tp_size or (parallel_state.get_tensor_model_parallel_world_size()
+                         if parallel_state.model_parallel_is_initialized() else 1)
+    if tp > 1:
+        raise OverlapConfigError(
+            "megatron.tensor_model_parallel_size", "`hdp.enabled` through Megatron-LM's training loop runs with TP 1 "
+            "so far: pretrain_gpt.py's get_batch broadcasts fixed [micro-batch, seq-length] tensors over the TP "
+            "group, and HDP's micro-batches vary in length. With TP > 1 drive the runtime from your own loop "
+            "(megatron_overlap.integration.hdp.make_runtime pads the rows for TP)")
+    if ctx.documents is False:
+        raise OverlapConfigError(
+            "megatron.reset_attention_mask",
+            "`hdp.enabled` gives each document of a packed sample its own ring; Megatron's GPT dataset marks the "
+            "documents only with `megatron.reset_attention_mask` and `megatron.reset_position_ids` (without them a "
+            "sample is one sequence of `megatron.seq_length` tokens, attended across documents, and HDP has nothing "
+            "to balance). Add both")
     config = get_model_config(model[0] if isinstance(model, list) else model)
     if not getattr(config, "calculate_per_token_loss", False):
         raise OverlapConfigError(
