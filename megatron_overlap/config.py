@@ -357,7 +357,6 @@ class ModelContext:
     virtual_pp_size: Optional[int] = None
     megatron_pp_flags: tuple = ()  # Megatron's own pipeline-overlap flags that are on
     documents: Optional[bool] = None  # the GPT dataset marks documents (reset attention mask and positions)
-    per_token_loss: Optional[bool] = None  # calculate_per_token_loss
     overlap_grad_reduce: bool = False  # Megatron DDP's
     position_embedding: Optional[str] = None
     world_size: Optional[int] = None
@@ -382,7 +381,6 @@ class ModelContext:
             megatron_pp_flags=tuple(name for name in MEGATRON_PP_FLAGS if get(name)),
             documents=None if get("reset_attention_mask") is None else bool(
                 get("reset_attention_mask") and get("reset_position_ids")),
-            per_token_loss=get("calculate_per_token_loss"),
             overlap_grad_reduce=bool(get("overlap_grad_reduce")),
             position_embedding=get("position_embedding_type"),
             world_size=get("world_size"),

@@ -182,17 +182,6 @@ TP_LENGTHS = ((70, 9, 17, 40, 3), (5, 30, 23, 61, 12))
 TP_CAPACITY = 40
 
 
-def _sp_summed(model, grads: dict) -> dict:
-    """Gradients of the parameters sequence parallelism replicates over TP (the norms) summed over
-    the TP group, as Megatron's ``finalize_model_grads`` does: each TP rank only saw its rows."""
-    from megatron.core import parallel_state
-
-    for name, p in model.named_parameters():
-        if getattr(p, "sequence_parallel", False):
-            dist.all_reduce(grads[name], group=parallel_state.get_tensor_model_parallel_group())
-    return grads
-
-
 def exactness_tp(seed: int) -> dict:
     """HDP with tensor parallelism: each HDP rank is a TP group of 2 running the TP-overlap
     linears (sequence parallelism on); rings run between the TP groups at the same TP rank.
@@ -202,6 +191,7 @@ def exactness_tp(seed: int) -> dict:
 
     from megatron_overlap.hdp import runtime as hdp
     from megatron_overlap.integration.hdp import make_runtime
+    from megatron_overlap.lab.hdp_demo import sum_sequence_parallel_grads
     from megatron_overlap.lab.tiny_gpt import init_parallel
 
     init_parallel(2, seed=seed)
@@ -212,7 +202,8 @@ def exactness_tp(seed: int) -> dict:
         samples = global_samples(seed, lengths=TP_LENGTHS)
         model = build_model("rope", seq=max(itertools.chain.from_iterable(TP_LENGTHS)) + 2, tp=2)
         ref_loss = reference(model, samples, multiple=2)
-        ref = _sp_summed(model, _grads(model))
+        sum_sequence_parallel_grads(model)  # each TP rank saw its rows only, as finalize_model_grads sums
+        ref = _grads(model)
         _zero(model)
         calls_ref = installation.calls["tp.column"]
         rt = make_runtime(installation.config.hdp)  # Megatron's DP group: the ranks of this TP rank
@@ -221,7 +212,8 @@ def exactness_tp(seed: int) -> dict:
         result = hdp.forward_backward(model, step)
         loss = hdp.reduce_loss(result.loss, rt.group)
         hdp.reduce_gradients(model, rt.group)
-        got = _sp_summed(model, _grads(model))
+        sum_sequence_parallel_grads(model)
+        got = _grads(model)
         return dict(rank=dist.get_rank(), loss=loss, ref_loss=ref_loss, grad_rel=_rel(got, ref),
                     grad_total_rel=_total_rel(got, ref), group=dist.get_process_group_ranks(rt.group),
                     rows=[mb.layout.rows for mb in step.microbatches], my_rings=[len(mb.ring) for mb in step.microbatches],

@@ -43,6 +43,7 @@ import math
 from typing import List, Optional, Sequence, Tuple
 
 from .cost import HdpCostModel
+from .packing import pack_first_fit
 from .plan import Plan
 from .scheduler import check_batch
 from .shard import Shard, ranks_needed, rows_held
@@ -67,17 +68,7 @@ def schedule_static(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
     groups = R // cp
     rows = [rows_held(L, cp) for L in lens]
     order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    bins: List[List[int]] = []
-    room: List[int] = []
-    for i in order:
-        for b, left in enumerate(room):
-            if rows[i] <= left:
-                bins[b].append(i)
-                room[b] -= rows[i]
-                break
-        else:
-            bins.append([i])
-            room.append(C - rows[i])
+    bins = pack_first_fit(order, rows, C)
     bin_tokens = [sum(lens[i] for i in b) for b in bins]
     tokens = [0] * groups
     per_group: List[List[int]] = [[] for _ in range(groups)]

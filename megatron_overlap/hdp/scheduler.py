@@ -95,6 +95,7 @@ from .locality import check_home, home_first, relabel_rings
 from .packing import pack_first_fit, pack_next_fit, split_to
 from .plan import Plan
 from .shard import Shard, ranks_needed, rows_held
+from .simulate import sequence_options
 
 MODES = ("dp", "pp")
 CAPACITY_FIELD = "hdp.max_tokens"  # the config field errors about C name
@@ -183,12 +184,6 @@ def _choose_ring(seq_len: int, n: int, clock: List[float], cost: HdpCostModel) -
     return ring, start, end
 
 
-def _area_ms(seq_len: int, low: int, R: int, cost: HdpCostModel) -> float:
-    """The least total busy time of a sequence over ring sizes ``low``..R (1: held whole)."""
-    return min(n * (local_ms(seq_len, cost) if n == 1 else ring_ms(seq_len, tuple(range(n)), cost))
-               for n in range(low, R + 1))
-
-
 def _spread_choice(seq_len: int, low: int, clock: List[float], cost: HdpCostModel, rest_ms: float,
                    spread: bool):
     """Step 1's ring size: from the fewest ranks that hold the sequence (``low``) up to all R,
@@ -222,7 +217,7 @@ def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequen
     rings: List[_Ring] = []
     gaps: Dict[Tuple[int, int], float] = {}
     low = {i: ranks_needed(lens[i], C) if lens[i] > C else 1 for i in ring_ids}
-    area = {i: _area_ms(lens[i], low[i], R if spread else low[i], cost) for i in ring_ids}
+    area = {i: sequence_options(lens[i], low[i], R if spread else low[i], cost)[1] for i in ring_ids}
     rest = sum(area.values()) + sum(local_ms(lens[i], cost) for i in short_ids)
     back = []
     for i in ring_ids:
@@ -374,10 +369,6 @@ def _with_notes(plan: Plan, rings, filled, short_ids, C: int, home, local: bool)
     ]
     if home is not None:
         notes.append(f"locality: {plan.moved_tokens(home)} of {sum(plan.seq_lens)} tokens move to another rank"
-                     + ("" if local or mode_is_pp(plan) else " (short sequences dealt by LPT: home first would "
+                     + ("" if local or plan.mode == "pp" else " (short sequences dealt by LPT: home first would "
                         "lengthen the step)"))
     return dataclasses.replace(plan, notes=tuple(notes))
-
-
-def mode_is_pp(plan: Plan) -> bool:
-    return plan.mode == "pp"

@@ -72,18 +72,24 @@ def simulate(plan: Plan, cost: HdpCostModel) -> StepTime:
     return StepTime(step_ms=max(now) if now else 0.0, end_ms=now, work_ms=work)
 
 
-def _options(seq_len: int, ranks: int, capacity_tokens: int, cost) -> Tuple[float, float]:
-    """(the shortest per-peer time, the least total busy time) of one sequence over every ring
-    size it may take: from the fewest ranks that hold it (1 when it fits one rank) to all
-    ``ranks``, each ring within one node when it fits (the cheaper link)."""
-    from .shard import ranks_needed
-
-    low = 1 if seq_len <= capacity_tokens else ranks_needed(seq_len, capacity_tokens)
+def sequence_options(seq_len: int, low: int, high: int, cost) -> Tuple[float, float]:
+    """(the shortest per-peer time, the least total busy time) of one sequence over the ring
+    sizes ``low``..``high`` (1: held whole), each ring within one node when it fits (the cheaper
+    link)."""
     best, area = float("inf"), float("inf")
-    for n in range(low, ranks + 1):
+    for n in range(low, high + 1):
         w = cost.sequence_ms(seq_len, n)
         best, area = min(best, w), min(area, n * w)
     return best, area
+
+
+def _options(seq_len: int, ranks: int, capacity_tokens: int, cost) -> Tuple[float, float]:
+    """``sequence_options`` from the fewest ranks that hold the sequence (1 when it fits one
+    rank) to all ``ranks``."""
+    from .shard import ranks_needed
+
+    low = 1 if seq_len <= capacity_tokens else ranks_needed(seq_len, capacity_tokens)
+    return sequence_options(seq_len, low, ranks, cost)
 
 
 def lower_bound_ms(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, cost) -> float:

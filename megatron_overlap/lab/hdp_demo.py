@@ -70,7 +70,7 @@ class HdpDemoRanks:
             wall.append(1e3 * sum(result.wall_s))
         loss = reduce_loss(result.loss, group)
         reduce_gradients(model, group)
-        _sum_sequence_parallel_grads(model)
+        sum_sequence_parallel_grads(model)
         self.grads[layout] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
         return {
             "busy_ms": statistics.median(busy),
@@ -96,7 +96,7 @@ class HdpDemoRanks:
         self.installation.uninstall()
 
 
-def _sum_sequence_parallel_grads(model) -> None:
+def sum_sequence_parallel_grads(model) -> None:
     """Sum, over the TP group, the gradients of the parameters sequence parallelism replicates
     (the norms: each TP rank saw only its rows), as Megatron's ``finalize_model_grads`` does."""
     from megatron.core import parallel_state
