@@ -47,6 +47,12 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         choices=RS_ALGOS, default=None,
         help="Reduce-scatter after a GEMM as a ring of partial sums (ring, default for p2p) or as all-to-all "
         "plus a local reduce (a2a, the only one of --overlap-tp fused).")),
+    ("--overlap-tp-sub-batches", "tp.sub_batches", dict(
+        type=int, default=None, metavar="N",
+        help="Cut each MLP block's rows into N sub-batches run one after another, so one sub-batch's all-gather "
+        "/ reduce-scatter travels while another computes, across fc1, the activation and fc2 (Domino-style "
+        "workload partitioning; 2 is the usual choice; default 1: whole). Megatron's local MLP with sequence "
+        "parallelism; not with --overlap-tp fused.")),
     ("--overlap-tp-bidirectional", "tp.bidirectional", dict(
         action="store_true", default=None,
         help="Split each chunk in two halves travelling both ways round the ring.")),

@@ -11,17 +11,17 @@ heads, ...) live in the areas (``tp.checks``, ``cp.checks``, ``hdp.checks``) and
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .args import flag_for
+from .context import MEGATRON_PP_FLAGS, ModelContext  # noqa: F401  (re-exported: its home was here)
 from .cp import CP_MODES
 from .errors import OverlapConfigError
 from .hdp import MODES as HDP_MODES
 from .pp import MODES as PP_MODES
-from .tp import RS_ALGOS, TP_MODES, check_chunks
+from .tp import RS_ALGOS, TP_MODES, check_chunks, check_sub_batches
 
 
 def _positive_int(value) -> bool:
@@ -59,10 +59,14 @@ class TPConfig(_Section):
     plan_file: Optional[str] = None
     """Decompositions to load."""
 
+    sub_batches: int = 1
+    """Sub-batches each MLP block's rows are cut into (``tp/sub_batch.py``); 1: the block runs whole."""
+
     explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
     """Names of the fields above the user set (conflict messages only)."""
 
     DEPENDENT = ("chunks", "rs", "bidirectional", "autotune", "plan_file")  # meaningless with mode off
+    ALL = DEPENDENT + ("sub_batches",)
 
     def __post_init__(self):
         if self.mode not in TP_MODES:
@@ -70,6 +74,7 @@ class TPConfig(_Section):
         if self.rs not in RS_ALGOS:
             raise OverlapConfigError("tp.rs", f"unknown algorithm {self.rs!r}; choose ring or a2a")
         check_chunks(self.chunks)
+        check_sub_batches(self.sub_batches, self.mode)
         if self.autotune and self.plan_file:
             raise OverlapConfigError("tp.plan_file", "and `tp.autotune` both choose the decompositions; pass one of them")
         given = self.given(*self.DEPENDENT)
@@ -81,9 +86,10 @@ class TPConfig(_Section):
             raise OverlapConfigError(
                 "tp.rs", "the fused backend reduce-scatters as all-to-all + local reduce (a2a); drop `tp.rs` ring, "
                 "or use `tp.mode` p2p for a ring")
+        given = self.given(*self.ALL)
         if self.mode == "off" and given:
             raise OverlapConfigError(
-                given[0], f"{_refs(given)} only apply to TP overlap, which is off; add `tp.mode` p2p (or auto), or "
+                given[0], f"{_refs(given)} only appl{'y' if len(given) > 1 else 'ies'} to TP overlap, which is off; add `tp.mode` p2p (or auto), or "
                 f"drop {'them' if len(given) > 1 else 'it'}")
 
     def given(self, *names: str) -> list:
@@ -100,9 +106,10 @@ class TPConfig(_Section):
         return "a2a" if self.mode == "fused" else self.rs
 
     def flags(self) -> list:
+        sub = [flag_for("tp.sub_batches"), str(self.sub_batches)] if self.sub_batches > 1 else []
         if self.mode in ("off", "symm-mem"):
-            return []
-        out = [flag_for("tp.chunks"), str(self.chunks), flag_for("tp.rs"), self.rs_algo]
+            return [] if self.mode == "off" else sub
+        out = sub + [flag_for("tp.chunks"), str(self.chunks), flag_for("tp.rs"), self.rs_algo]
         out += [flag_for("tp.bidirectional")] if self.bidirectional else []
         out += [flag_for("tp.autotune")] if self.autotune else []
         return out + ([flag_for("tp.plan_file"), self.plan_file] if self.plan_file else [])
@@ -299,8 +306,9 @@ class OverlapConfig:
                             "megatron_overlap.add_overlap_args (or pass it as Megatron's extra_args_provider)")
         get = lambda name: getattr(args, name, None)  # noqa: E731
         tp_dests = dict(chunks="overlap_tp_chunks", rs="overlap_tp_rs", bidirectional="overlap_tp_bidirectional",
-                        autotune="overlap_autotune", plan_file="overlap_plan")
+                        autotune="overlap_autotune", plan_file="overlap_plan", sub_batches="overlap_tp_sub_batches")
         tp = TPConfig(mode=args.overlap_tp, chunks=_default(get("overlap_tp_chunks"), 0),
+                      sub_batches=_default(get("overlap_tp_sub_batches"), 1),
                       rs=_default(get("overlap_tp_rs"), "ring"), bidirectional=bool(get("overlap_tp_bidirectional")),
                       autotune=bool(get("overlap_autotune")), plan_file=get("overlap_plan"),
                       explicit=frozenset(n for n, dest in tp_dests.items() if get(dest) is not None))
@@ -335,60 +343,3 @@ def _refs(fields: list) -> str:
 
 def _default(value, default):
     return default if value is None else value
-
-
-@dataclass(frozen=True)
-class ModelContext:
-    """The parts of the model's parallel setup that decide whether overlap can run, read from
-    Megatron's arguments by name. ``None`` means unknown: programmatic installs learn these
-    when a layer first runs."""
-
-    tp_size: Optional[int] = None
-    sequence_parallel: Optional[bool] = None
-    transformer_impl: Optional[str] = None
-    tp_comm_overlap: bool = False
-    seq_length: Optional[int] = None
-    micro_batch_size: Optional[int] = None
-    cp_size: Optional[int] = None
-    heads: Optional[int] = None
-    kv_heads: Optional[int] = None
-    packed: bool = False  # variable-length packed batches (THD): lengths checked per batch
-    pp_size: Optional[int] = None
-    virtual_pp_size: Optional[int] = None
-    megatron_pp_flags: tuple = ()  # Megatron's own pipeline-overlap flags that are on
-    documents: Optional[bool] = None  # the GPT dataset marks documents (reset attention mask and positions)
-    overlap_grad_reduce: bool = False  # Megatron DDP's
-    position_embedding: Optional[str] = None
-    world_size: Optional[int] = None
-
-    @classmethod
-    def from_megatron_args(cls, args: argparse.Namespace) -> "ModelContext":
-        get = lambda name: getattr(args, name, None)  # noqa: E731
-        return cls(
-            tp_size=get("tensor_model_parallel_size"),
-            sequence_parallel=get("sequence_parallel"),
-            transformer_impl=get("transformer_impl"),
-            tp_comm_overlap=bool(get("tp_comm_overlap")),
-            seq_length=get("seq_length"),
-            micro_batch_size=get("micro_batch_size"),
-            cp_size=get("context_parallel_size"),
-            heads=get("num_attention_heads"),
-            kv_heads=get("num_query_groups") if get("group_query_attention") else get("num_attention_heads"),
-            packed=bool(get("reset_attention_mask")),
-            pp_size=get("pipeline_model_parallel_size"),
-            virtual_pp_size=get("virtual_pipeline_model_parallel_size") or (
-                "set" if get("num_layers_per_virtual_pipeline_stage") else None),
-            megatron_pp_flags=tuple(name for name in MEGATRON_PP_FLAGS if get(name)),
-            documents=None if get("reset_attention_mask") is None else bool(
-                get("reset_attention_mask") and get("reset_position_ids")),
-            overlap_grad_reduce=bool(get("overlap_grad_reduce")),
-            position_embedding=get("position_embedding_type"),
-            world_size=get("world_size"),
-        )
-
-
-# Megatron's own pipeline-overlap options that change the schedules --overlap-pp replaces
-# (--overlap-p2p-communication-warmup-flush, --delay-wgrad-compute). Its
-# --overlap-p2p-communication is on by default and only acts on interleaved schedules (Megatron
-# turns it off for the others), so it is no conflict.
-MEGATRON_PP_FLAGS = ("overlap_p2p_comm_warmup_flush", "delay_wgrad_compute")

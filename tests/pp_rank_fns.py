@@ -21,7 +21,7 @@ def _trainer(tp: int, pp: int, overlap_grad_reduce: bool):
     return _TRAINERS[key]
 
 
-def _install(mode: str, inflight, tp: int):
+def _install(mode: str, inflight, tp: int, sub_batches: int = 1):
     import megatron_overlap
     from megatron_overlap.config import OverlapConfig, PPConfig, TPConfig
 
@@ -29,7 +29,7 @@ def _install(mode: str, inflight, tp: int):
     if mode == "off":  # stock Megatron: its 1F1B and its linears
         return None
     explicit = frozenset({"max_inflight"}) if inflight else frozenset()
-    config = OverlapConfig(tp=TPConfig(mode="p2p" if tp > 1 else "off"),
+    config = OverlapConfig(tp=TPConfig(mode="p2p" if tp > 1 else "off", sub_batches=sub_batches),
                            pp=PPConfig(mode=mode, max_inflight=inflight, explicit=explicit))
     return megatron_overlap.install(config)
 
@@ -45,15 +45,17 @@ def pp_runs(tp: int, pp: int, overlap_grad_reduce: bool, runs: list, steps: int)
     out = {}
     base = trainer.setup
     try:
-        for mode, m, inflight in runs:
+        for run in runs:  # (mode, m, inflight[, sub-batches])
+            mode, m, inflight = run[:3]
             trainer.setup = dataclasses.replace(base, microbatches=m)
-            inst = _install(mode, inflight, tp)
+            inst = _install(mode, inflight, tp, *run[3:])
             trainer.reset()
             grads, losses = [], []
             for step in range(steps):
                 losses.append(trainer.step(step, on_grads=grads.append if step == 0 else None))
-            out[f"{mode}/{m}/{inflight}"] = {"losses": losses, "grads": grads[0],
-                                             "ran": inst.wgrad.ran if inst is not None and inst.wgrad is not None else 0}
+            out["/".join(str(x) for x in run)] = {
+                "losses": losses, "grads": grads[0], "calls": dict(inst.calls) if inst is not None else {},
+                "ran": inst.wgrad.ran if inst is not None and inst.wgrad is not None else 0}
     finally:
         trainer.setup = base
         megatron_overlap.uninstall()

@@ -671,3 +671,78 @@ def stock_spec_losses(tp: int, flags: list[str], steps: int, lab_norm: bool = Fa
         return {"losses": losses, "marked": marked, "norms": len(norms)}
     finally:
         _install([])
+
+
+def gpt_losses_and_grads(tp: int, steps: int, flags: list[str], overlap_grad_reduce: bool,
+                         **config_overrides) -> dict:
+    """The tiny GPT trained ``steps`` steps: the losses, every parameter's gradient of the first
+    step (``main_grad``, after Megatron's finalize) and how often each patched path ran."""
+    from megatron_overlap.integration.install import find_installation
+    from megatron_overlap.lab import tiny_gpt
+
+    _install(flags)
+    grads = {}
+    try:
+        inst = find_installation()
+        holder = {}
+
+        def on_step(step, _loss):
+            if step == 0:
+                for name, p in holder["model"].named_parameters():
+                    grads[name] = p.main_grad.detach().clone()
+
+        original_wrap = tiny_gpt.wrap_ddp
+
+        def wrap(model, *args, **kwargs):
+            holder["model"] = wrapped = original_wrap(model, *args, **kwargs)
+            return wrapped
+
+        tiny_gpt.wrap_ddp = wrap
+        try:
+            losses = tiny_gpt.train(tiny_gpt.TinyGPT(), tp=tp, steps=steps, overlap_grad_reduce=overlap_grad_reduce,
+                                    on_step=on_step, **config_overrides)
+        finally:
+            tiny_gpt.wrap_ddp = original_wrap
+        calls = dict(inst.calls) if inst is not None else {}
+        return {"losses": losses, "grads": grads, "calls": calls}
+    finally:
+        _install([])
+
+
+def sub_batch_row_errors(tp: int) -> dict:
+    """A Megatron MLP (SwiGLU, SP) under ``--overlap-tp-sub-batches``: the error for more
+    sub-batches than rows, the one for sub-batches too small for the chunks, and a no-grad call
+    with too few rows (it runs whole: output equal to stock's, the sub-batch path not taken)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    from megatron_overlap.integration.install import find_installation
+    from megatron_overlap.lab import tiny_gpt
+
+    tiny_gpt.init_parallel(tp)
+    spec = tiny_gpt.TinyGPT()
+    config = tiny_gpt.transformer_config(spec, tp)
+    mlp = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    x = torch.randn(32, 2, spec.hidden, requires_grad=True)  # 32 rows per rank
+    out = {}
+    for key, flags in (("too_many", ["--overlap-tp-sub-batches", "40"]),
+                       ("chunks", ["--overlap-tp-sub-batches", "5", "--overlap-tp-chunks", "16"])):
+        _install(["--overlap-tp", "p2p"] + flags)
+        try:
+            mlp(x)
+            out[key] = "no error"
+        except Exception as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+        finally:
+            _install([])
+    few = torch.randn(3, 2, spec.hidden)
+    with torch.no_grad():
+        stock = mlp(few)[0]
+        _install(["--overlap-tp", "p2p", "--overlap-tp-sub-batches", "4"])
+        try:
+            ours = mlp(few)[0]
+            out["no_grad_calls"] = find_installation().calls["tp.sub_batches"]
+        finally:
+            _install([])
+    out["no_grad_equal"] = bool(torch.equal(ours, stock))
+    return out

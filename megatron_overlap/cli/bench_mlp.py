@@ -23,6 +23,9 @@ from dataclasses import asdict
 from ..lab.mlp_bench import MLPBench
 
 
+LABELS = {"stock": "stock Megatron", "overlap": "megatron-overlap", "sub": "+ sub-batches"}
+
+
 def run(cfg: MLPBench, progress: bool = True, timeline_png: str = "") -> dict:
     """Run the benchmark on ``cfg.tp`` fresh gloo ranks (one thread each); return the summary.
     With ``timeline_png``, the last round is traced and drawn there."""
@@ -50,8 +53,9 @@ def draw_timeline(per_rank: list, path: str) -> str:
     from ..trace import timeline
 
     panels = []
-    width = 1e3 * max(r[m]["trace"]["step"][1] - r[m]["trace"]["step"][0] for r in per_rank for m in ("stock", "overlap"))
-    for mode, label in (("stock", "stock Megatron"), ("overlap", "megatron-overlap")):
+    modes = [m for m in LABELS if m in per_rank[0]]
+    width = 1e3 * max(r[m]["trace"]["step"][1] - r[m]["trace"]["step"][0] for r in per_rank for m in modes)
+    for mode, label in ((m, LABELS[m]) for m in modes):
         rows = []
         for rank, r in enumerate(per_rank):
             trace = r[mode]["trace"]
@@ -69,7 +73,7 @@ def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
     rank is done) and the mean over ranks of link time and blocked time."""
     compute_ms = statistics.median(1e3 * max(r["compute_s"] for r in per_rank) for per_rank in rounds)
     result = {"config": asdict(cfg), "link": closing[0]["link"], "compute_ms": compute_ms}
-    for mode in ("stock", "overlap"):
+    for mode in cfg.modes:
         wall = [1e3 * max(r[mode]["wall_s"] for r in per_rank) for per_rank in rounds]
         blocked = [1e3 * statistics.mean(r[mode]["blocked_s"] for r in per_rank) for per_rank in rounds]
         busy = [1e3 * statistics.mean(r[mode]["busy_s"] for r in per_rank) for per_rank in rounds]
@@ -84,7 +88,7 @@ def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
             "exposed_fraction": exposed_ms / comm_ms if comm_ms else 0.0,
             "bytes_per_step": int(statistics.median(nbytes)),
         }
-    for mode in ("stock", "overlap"):
+    for mode in cfg.modes:
         result[mode]["free_link_step_ms"] = statistics.median(
             1e3 * max(r[f"{mode}_free"]["wall_s"] for r in per_rank) for per_rank in rounds
         )
@@ -117,6 +121,14 @@ def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
     )
     result["fraction_of_ceiling"] = result["speedup"] / result["ceiling"]
     result["max_rel_diff_vs_stock"] = max(c["parity"] for c in closing)
+    if "sub" in cfg.modes:
+        result["sub_vs_limit"] = per_round("sub", "strict")
+        result["sub_vs_program_limit"] = per_round("sub", "program")
+        for base in ("stock", "overlap"):
+            result[f"sub_speedup_vs_{base}"] = statistics.median(
+                max(r[base]["wall_s"] for r in per_rank) / max(r["sub"]["wall_s"] for r in per_rank)
+                for per_rank in rounds)
+        result["sub_max_rel_diff_vs_stock"] = max(c["parity_by_mode"]["sub"] for c in closing)
     return result
 
 
@@ -132,8 +144,8 @@ def format_table(result: dict) -> str:
         "",
         f"{'':18}{'free link':>10}{'emulated':>10}{'x limit':>9}{'exposed comm':>14}{'hidden':>8}{'MB/step':>9}",
     ]
-    for mode, label in (("stock", "stock Megatron"), ("overlap", "megatron-overlap")):
-        r = result[mode]
+    for mode in (m for m in LABELS if m in result):
+        r, label = result[mode], LABELS[mode] if mode != "sub" else f"+ {cfg['sub_batches']} sub-batches"
         lines.append(
             f"{label:18}{r['free_link_step_ms']:>10.1f}{r['step_ms']:>10.1f}"
             f"{result[mode + '_vs_limit']:>9.2f}{r['exposed_comm_ms']:>14.1f}"
@@ -148,6 +160,13 @@ def format_table(result: dict) -> str:
         f"({result['overlap_vs_program_limit']:.2f}x when compute is stock's own free-link step); "
         f"max rel. diff of grads vs stock {result['max_rel_diff_vs_stock']:.1e}",
     ]
+    if "sub" in result:
+        lines.append(
+            f"{cfg['sub_batches']} sub-batches: {result['sub_vs_limit']:.2f}x the limit "
+            f"({result['sub_vs_program_limit']:.2f}x against stock's free-link step), "
+            f"{result['sub_speedup_vs_overlap']:.2f}x over per-op overlap, {result['sub_speedup_vs_stock']:.2f}x over "
+            f"stock; max rel. diff of grads vs stock {result['sub_max_rel_diff_vs_stock']:.1e} (weight gradients "
+            "summed per sub-batch)")
     if result.get("timeline_png"):
         lines.append(f"timeline: {result['timeline_png']}")
     return "\n".join(lines)

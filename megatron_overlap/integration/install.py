@@ -93,6 +93,7 @@ class Installation:
         self.calls = collections.Counter()
         self.wgrad = None  # tp.wgrad_store.WgradStore while TP overlap runs
         self.prefetch = PrefetchRegistry()
+        self.sub_batch = None  # tp.sub_batch.SubBatches while a sub-batched MLP block runs its forward
         self.checked: set = set()
         self._noticed: set = set()
         self._saved: list = []  # (owner, name, original object)

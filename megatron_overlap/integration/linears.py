@@ -98,10 +98,14 @@ def patch(inst) -> None:
         tuner = PlanTuner(inst.config.tp.autotune, plans)
     inst.tp = TPPlanner(inst.config.tp, make_backend(inst.config.tp.mode), tuner)
     inst.set_attr(layers.RowParallelLinear, "forward", _row_forward(inst, layers.RowParallelLinear.__dict__["forward"]))
+    if inst.config.tp.sub_batches > 1:
+        from . import mlp
+
+        mlp.patch(inst)
     inst.notice_once("tp-on", f"TP overlap on ({inst.tp.backend.name}): {' '.join(inst.config.as_flags())}")
 
 
-def _comm(inst, kind: str, group, x, weight, shard_rows: int) -> TPComm:
+def _comm(inst, kind: str, group, x, weight, shard_rows: int, sub=None) -> TPComm:
     """The TP plan and backend of one linear; the first time a shape, dtype and device are
     seen, the model settings and the backend are checked (a programmatic install learns them
     only now)."""
@@ -111,7 +115,8 @@ def _comm(inst, kind: str, group, x, weight, shard_rows: int) -> TPComm:
         inst.tp.backend.check(x)
         check_tp_model(inst.config.tp, ModelContext(tp_size=size, sequence_parallel=True, seq_length=shard_rows * size))
         inst.checked.add(key)
-    return TPComm(group, inst.tp.plan(kind, x, weight, group, shard_rows), inst.tp.backend, inst.prefetch, inst.wgrad)
+    return TPComm(group, inst.tp.plan(kind, x, weight, group, shard_rows), inst.tp.backend, inst.prefetch, inst.wgrad,
+                  sub)
 
 
 def _column_linear(inst, original):
@@ -140,8 +145,10 @@ def _column_linear(inst, original):
         x = call.input
         wgrad = WgradOptions(call.gradient_accumulation_fusion, call.grad_output_buffer, call.wgrad_deferral_limit)
         inst.calls["tp.column"] += 1
+        sub = inst.sub_batch
+        part = (sub, sub.index) if sub is not None and x is sub.parts[sub.index] else None
         return ColumnParallelSP.apply(x, call.weight, call.bias, wgrad, _comm(inst, "column", group, x, call.weight,
-                                                                              x.shape[0]))
+                                                                              x.shape[0], part))
 
     return linear
 
@@ -159,7 +166,9 @@ def _row_forward(inst, original):
             return original(self, input_)
         _check_cpu_offloading(self, input_)
         rows = input_.shape[0] // group.size()
-        comm = _comm(inst, "row", group, input_, self.weight, rows)
+        sub = inst.sub_batch
+        part = (sub, sub.index) if sub is not None and self is sub.owner.linear_fc2 and self.skip_bias_add else None
+        comm = _comm(inst, "row", group, input_, self.weight, rows, part)
         inst.calls["tp.row"] += 1
         output_ = RowParallelSP.apply(input_, self.weight, WgradOptions(self.gradient_accumulation_fusion), comm)
         if not self.skip_bias_add:

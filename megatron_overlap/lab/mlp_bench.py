@@ -27,7 +27,12 @@ class MLPBench:
     chunks: int = 0
     rs: str = "ring"
     bidirectional: bool = False
+    sub_batches: int = 1  # > 1: also per-op overlap with the block cut into this many sub-batches
     seed: int = 0
+
+    @property
+    def modes(self) -> tuple:
+        return ("stock", "overlap") + (("sub",) if self.sub_batches > 1 else ())
 
 
 def _build(cfg: MLPBench):
@@ -99,6 +104,8 @@ class MLPBenchRanks:
         if cfg.bidirectional:
             flags.append("--overlap-tp-bidirectional")
         self.overlap_args = megatron_overlap.overlap_parser().parse_args(flags)
+        self.args = {"overlap": self.overlap_args, "sub": megatron_overlap.overlap_parser().parse_args(
+            flags + ["--overlap-tp-sub-batches", str(cfg.sub_batches)])}
 
         # Bytes per step, counted on a free link; compute from a few replays. Same link for all.
         with EmulatedLink(LinkSpec(bandwidth_GBps=1e6, latency_us=0.0)) as probe:
@@ -139,12 +146,13 @@ class MLPBenchRanks:
         if index < self.cfg.warmup:
             self.warm_compute.append(record["compute_s"])
         free = LinkSpec(bandwidth_GBps=1e6, latency_us=0.0)
-        # which of stock and the plugin runs first alternates per round (a drifting VM hits both alike)
-        pairs = [("stock", "overlap"), ("overlap", "stock")][index % 2]
-        order = [(f"{m}_free", free) for m in pairs] + [(m, self.spec) for m in pairs]
+        # which mode runs first rotates per round (a drifting VM hits all alike; two modes alternate)
+        modes = self.cfg.modes
+        turn = [modes[(index + k) % len(modes)] for k in range(len(modes))]
+        order = [(f"{m}_free", free) for m in turn] + [(m, self.spec) for m in turn]
         for mode, spec in order:
-            if mode.startswith("overlap"):
-                megatron_overlap.install(self.overlap_args)
+            if not mode.startswith("stock"):
+                megatron_overlap.install(self.args[mode.removesuffix("_free")])
             self.link.spec = spec
             self.link.record_spans = record_spans and spec is self.spec
             dist.barrier()
@@ -154,7 +162,7 @@ class MLPBenchRanks:
             t1 = time.perf_counter()
             stats = self.link.reset()
             megatron_overlap.uninstall()
-            if index == 0 and mode in ("stock", "overlap"):
+            if index == 0 and mode in modes:
                 self.grads[mode] = (self.x.grad.clone(), self.mlp.linear_fc1.weight.grad.clone(),
                                     self.mlp.linear_fc2.weight.grad.clone())
             record[mode] = {"wall_s": t1 - t0, "blocked_s": stats.blocked_s, "busy_s": stats.busy_s,
@@ -166,6 +174,6 @@ class MLPBenchRanks:
 
     def close(self) -> dict:
         self.link.uninstall()
-        parity = max(((a - b).norm() / b.norm()).item()
-                     for a, b in zip(self.grads["overlap"], self.grads["stock"]))
-        return {"link": self.spec.as_dict(), "parity": parity}
+        parity = {mode: max(((a - b).norm() / b.norm()).item() for a, b in zip(self.grads[mode], self.grads["stock"]))
+                  for mode in self.cfg.modes[1:]}
+        return {"link": self.spec.as_dict(), "parity": parity["overlap"], "parity_by_mode": parity}

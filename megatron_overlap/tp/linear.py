@@ -136,6 +136,7 @@ class TPComm:
     backend: TPBackend
     prefetch: Optional[PrefetchRegistry] = None
     wgrad: Optional[WgradStore] = None
+    sub: Optional[tuple] = None  # (sub_batch.SubBatches, j): this call is sub-batch j of an MLP block
 
 
 
@@ -167,7 +168,11 @@ class ColumnParallelSP(torch.autograd.Function):
         ctx.slot = GatherSlot(input, comm.group, comm.plan.prefetch_fraction if comm.prefetch is not None else 0.0)
         if comm.prefetch is not None:
             comm.prefetch.offer(comm.group, ctx.slot)
-        output, _ = comm.backend.gather_matmul(input, weight.t(), comm.group, comm.plan)
+        gathered = comm.sub[0].gathered("x", comm.sub[1]) if comm.sub is not None else None
+        if gathered is not None:  # gathered while the sub-batch before computed
+            output = torch.matmul(gathered, weight.t())
+        else:
+            output, _ = comm.backend.gather_matmul(input, weight.t(), comm.group, comm.plan)
         return output + bias if bias is not None else output
 
     @staticmethod
@@ -187,6 +192,8 @@ class ColumnParallelSP(torch.autograd.Function):
                 wgrad_compute = False
         slot = ctx.slot
         ctx.slot = None
+        if comm.sub is not None:  # the grad-output of the chain autograd runs next travels from here
+            comm.sub[0].prefetch("dy", comm.sub[1] - 1)
         if wgrad_compute:
             slot.start()  # no-op when the Row linear after us already started it
 
@@ -202,6 +209,9 @@ class ColumnParallelSP(torch.autograd.Function):
         else:
             grad_weight = weight_gradient(weight, None, None, wgrad.accumulation_fusion, input)
         grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
+        if comm.sub is not None:  # waited once every chain has run (sub_batch.Split)
+            comm.sub[0].defer("dx", comm.sub[1], pending)
+            return torch.empty_like(input), grad_weight, grad_bias, None, None
         return pending.finish(), grad_weight, grad_bias, None, None
 
 
@@ -219,7 +229,13 @@ class RowParallelSP(torch.autograd.Function):
         ctx.main_grad = weight.main_grad if wgrad.accumulation_fusion and hasattr(weight, "main_grad") else None
         ctx.wgrad, ctx.comm = wgrad, comm
         ctx.prefetch_slot = comm.prefetch.claim(comm.group) if comm.prefetch is not None else None
-        return comm.backend.matmul_reduce_scatter(input, weight.t(), comm.group, comm.plan).finish()
+        if comm.sub is None:
+            return comm.backend.matmul_reduce_scatter(input, weight.t(), comm.group, comm.plan).finish()
+        sub, j = comm.sub
+        sub.prefetch("x", j + 1)  # the next sub-batch's input travels while this one's GEMM runs
+        sub.defer("out", j, comm.backend.matmul_reduce_scatter(input, weight.t(), comm.group, comm.plan))
+        size = dist.get_world_size(comm.group)  # waited after the last sub-batch (sub_batch.Join)
+        return input.new_empty((input.shape[0] // size, *input.shape[1:-1], weight.shape[0]))
 
     @staticmethod
     @_custom_bwd
@@ -232,8 +248,14 @@ class RowParallelSP(torch.autograd.Function):
         slot, ctx.prefetch_slot = ctx.prefetch_slot, None
         # while the grad-output pieces travel, after the local dgrad GEMM: the held-back wgrads
         run_held = comm.wgrad.run if comm.wgrad is not None else None
-        grad_input, gathered = comm.backend.gather_matmul(grad_output, weight, comm.group, comm.plan,
-                                                          keep_gathered=True, after_own=run_held)
+        if comm.sub is not None and comm.sub[0].has_gather("dy", comm.sub[1]):
+            if run_held is not None:
+                run_held()  # while the prefetched grad-output finishes travelling
+            gathered = comm.sub[0].gathered("dy", comm.sub[1])
+            grad_input = torch.matmul(gathered, weight)
+        else:
+            grad_input, gathered = comm.backend.gather_matmul(grad_output, weight, comm.group, comm.plan,
+                                                              keep_gathered=True, after_own=run_held)
         if slot is not None:
             slot.start_early()
         grad_2d, input_2d = as_2d(gathered, input)

@@ -1,0 +1,120 @@
+"""Sub-batches across the ops of an MLP block (Centauri's workload partitioning; DeepSpeed
+Domino's row split): each rank's sequence rows are cut into N sub-batches that run
+fc1 -> activation -> fc2 one after another, so one sub-batch's transfers travel while another
+computes, across the op boundary that per-op overlap cannot cross.
+
+Forward, sub-batch j (rows are independent in every op of the block):
+
+    fc1   AG(x_j) @ w1^T      j = 0: the chunked ring; j > 0: gathered while fc2_{j-1} computed
+    act   Megatron's own code (the MLP's forward runs once per sub-batch)
+    fc2   RS(a_j @ w2^T)      the all-gather of x_{j+1} is posted first; this reduce-scatter's
+                              last hop is waited only after the last sub-batch (``Join``)
+
+Backward mirrors it. Autograd runs the sub-batches' chains last one first: the chain that runs
+first gathers its grad-output with the ring, every later one finds it gathered (posted when the
+chain before it reached fc1's backward), and fc1's reduce-scatter of each chain is waited only
+once every chain has run (``Split``'s backward).
+
+Numerics: every forward row and every input-gradient row is computed by the same GEMMs on
+the same rows as stock (bit-identical on the backends here). The weight gradients are summed
+over the sub-batches, one GEMM per sub-batch, in the fixed order autograd runs them, where stock
+runs one GEMM over all rows: the same sum in another order, a few ulp apart (measured in
+tests/test_training.py). Bytes moved equal stock's: the same gathers and reduce-scatters, cut
+into sub-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..comm.collectives import all_gather_into
+from ..trace.tracer import wait
+
+
+def split_sizes(rows: int, n: int) -> List[int]:
+    """``rows`` cut into ``n`` near-equal parts, the larger first (3 -> 1, 1, 1; 8 / 3 -> 3, 3, 2)."""
+    base, extra = divmod(rows, n)
+    return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+class SubBatches:
+    """The state of one MLP call cut into sub-batches: the parts, the gathers posted ahead and the
+    reduce-scatters waited behind. The patched linears find it on the installation while the
+    block runs (forward) and in their autograd context (backward)."""
+
+    def __init__(self, group: dist.ProcessGroup, sizes: Sequence[int], owner=None):
+        self.group, self.sizes, self.owner = group, list(sizes), owner
+        self.n = len(self.sizes)
+        self.index = 0  # the sub-batch the forward is running
+        self.parts: Tuple[torch.Tensor, ...] = ()
+        self.grads: Tuple[torch.Tensor, ...] = ()
+        self._gathers: Dict[Tuple[str, int], Tuple[torch.Tensor, object]] = {}
+        self._pending: Dict[Tuple[str, int], object] = {}  # ("out" | "dx", j) -> a reduce-scatter's pending
+
+    # -- gathers posted ahead ---------------------------------------------------------------------
+    def prefetch(self, kind: str, j: int) -> None:
+        """Post the all-gather of part ``j`` of the input (``kind`` "x") or of the grad-output ("dy")."""
+        source = self.parts if kind == "x" else self.grads
+        if not 0 <= j < len(source) or (kind, j) in self._gathers:
+            return
+        x = source[j].contiguous()
+        size = dist.get_world_size(self.group)
+        buf = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self._gathers[(kind, j)] = (buf, all_gather_into(buf, x, self.group, async_op=True))
+
+    def gathered(self, kind: str, j: int) -> Optional[torch.Tensor]:
+        """Part ``j`` gathered in rank order, as one all-gather returns it, or None if not posted."""
+        entry = self._gathers.pop((kind, j), None)
+        if entry is None:
+            return None
+        buf, work = entry
+        wait(work)
+        return buf
+
+    def has_gather(self, kind: str, j: int) -> bool:
+        return (kind, j) in self._gathers
+
+    # -- reduce-scatters waited behind ------------------------------------------------------------
+    def defer(self, kind: str, j: int, pending) -> None:
+        self._pending[(kind, j)] = pending
+
+    def finish(self, kind: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The parts in order, each deferred one replaced by its finished reduce-scatter."""
+        out = [self._pending.pop((kind, j)).finish() if (kind, j) in self._pending else p for j, p in enumerate(parts)]
+        return torch.cat(out, dim=0)
+
+
+class Split(torch.autograd.Function):
+    """``x`` -> its N row parts (forward); the input gradient, with each part's deferred fc1
+    reduce-scatter waited here, once every chain has run (backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sub: SubBatches):
+        ctx.sub = sub
+        parts = tuple(p.clone() for p in x.split(sub.sizes, dim=0))
+        sub.parts = parts
+        return parts
+
+    @staticmethod
+    def backward(ctx, *grads):
+        sub, ctx.sub = ctx.sub, None
+        return sub.finish("dx", grads), None
+
+
+class Join(torch.autograd.Function):
+    """The N fc2 outputs -> one tensor, each deferred reduce-scatter waited here (forward); the
+    grad-output cut into the parts the chains take (backward)."""
+
+    @staticmethod
+    def forward(ctx, sub: SubBatches, *outs: torch.Tensor):
+        ctx.sub = sub
+        return sub.finish("out", outs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sub, ctx.sub = ctx.sub, None
+        sub.grads = tuple(grad.contiguous().split(sub.sizes, dim=0))
+        return (None, *sub.grads)
