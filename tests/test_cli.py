@@ -200,13 +200,15 @@ def test_demo_end_to_end(tmp_path):
 
 def test_bench_mlp_smoke():
     out = cli("bench", "mlp", "--hidden", "64", "--ffn", "128", "--seq", "64", "--steps", "1",
-              "--warmup", "1", "--no-progress", "--json", timeout=600)
+              "--warmup", "1", "--sub-batches", "2", "--no-progress", "--json", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["max_rel_diff_vs_stock"] <= 1e-6
-    assert result["overlap"]["bytes_per_step"] == result["stock"]["bytes_per_step"] > 0
-    assert {"limit_ms", "speedup", "overlap_vs_limit"} <= set(result)
-    assert "x limit" in out.stdout
+    assert result["max_rel_diff_vs_stock"] <= 1e-6 and result["sub_max_rel_diff_vs_stock"] <= 1e-6
+    # every byte stock moves, no more, no fewer, cut into sub-batches or not
+    assert result["overlap"]["bytes_per_step"] == result["sub"]["bytes_per_step"] == result["stock"]["bytes_per_step"] > 0
+    assert {"limit_ms", "phase_limit_ms", "speedup", "overlap_vs_limit", "sub_speedup_vs_overlap"} <= set(result)
+    assert result["limit_ms"] <= result["phase_limit_ms"]  # the per-phase bound is never below the whole one
+    assert "x limit" in out.stdout and "2 sub-batches" in out.stdout
 
 
 def test_plan_cli_prints_json_and_the_published_table():

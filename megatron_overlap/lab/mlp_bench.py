@@ -77,7 +77,9 @@ class _ComputeReplay:
 
         t0 = time.perf_counter()
         h = F.gelu(torch.matmul(self.x, self.w1.t()) + self.b1)
-        torch.matmul(h, self.w2.t()).backward(self.dy)
+        y = torch.matmul(h, self.w2.t())
+        self.forward_s = time.perf_counter() - t0
+        y.backward(self.dy)
         elapsed = time.perf_counter() - t0
         self.x.grad = self.w1.grad = self.b1.grad = self.w2.grad = None
         return elapsed
@@ -109,8 +111,8 @@ class MLPBenchRanks:
 
         # Bytes per step, counted on a free link; compute from a few replays. Same link for all.
         with EmulatedLink(LinkSpec(bandwidth_GBps=1e6, latency_us=0.0)) as probe:
-            self._step()
-            nbytes = probe.reset().total_bytes
+            self._step(after_forward=lambda: self.__dict__.update(forward_bytes=probe.reset().total_bytes))
+            nbytes = self.forward_bytes + probe.reset().total_bytes
         self.nbytes = nbytes
         self.spec = self._spec([self.replay() for _ in range(3)])
         self.link = EmulatedLink(self.spec).install()
@@ -127,11 +129,14 @@ class MLPBenchRanks:
         bandwidth = volume[0].item() / (volume[1].item() * self.cfg.comm_ratio) / 1e9
         return LinkSpec(bandwidth_GBps=bandwidth, latency_us=self.cfg.latency_us)
 
-    def _step(self):
+    def _step(self, after_forward=None):
         self.mlp.zero_grad(set_to_none=True)
         self.x.grad = None
         out, bias = self.mlp(self.x)
-        (out + bias).backward(self.dy)
+        y = out + bias
+        if after_forward is not None:
+            after_forward()
+        y.backward(self.dy)
 
     def round(self, index: int, record_spans: bool = False) -> dict:
         """Back to back: the compute-only replay, then stock and overlapped steps on a free link
@@ -142,7 +147,8 @@ class MLPBenchRanks:
         if index == self.cfg.warmup and self.warm_compute:
             # recalibrate on the warm-up rounds' compute: the first replays run on a colder machine
             self.spec = self.link.spec = self._spec(self.warm_compute)
-        record = {"compute_s": self.replay()}
+        record = {"compute_s": self.replay(), "compute_forward_s": self.replay.forward_s,
+                  "forward_bytes_share": self.forward_bytes / self.nbytes}
         if index < self.cfg.warmup:
             self.warm_compute.append(record["compute_s"])
         free = LinkSpec(bandwidth_GBps=1e6, latency_us=0.0)
@@ -158,15 +164,16 @@ class MLPBenchRanks:
             dist.barrier()
             self.link.reset()
             t0 = time.perf_counter()
-            self._step()
+            marks = []
+            self._step(after_forward=lambda: marks.append(time.perf_counter()))
             t1 = time.perf_counter()
             stats = self.link.reset()
             megatron_overlap.uninstall()
             if index == 0 and mode in modes:
                 self.grads[mode] = (self.x.grad.clone(), self.mlp.linear_fc1.weight.grad.clone(),
                                     self.mlp.linear_fc2.weight.grad.clone())
-            record[mode] = {"wall_s": t1 - t0, "blocked_s": stats.blocked_s, "busy_s": stats.busy_s,
-                            "bytes": stats.total_bytes}
+            record[mode] = {"wall_s": t1 - t0, "forward_s": marks[0] - t0, "blocked_s": stats.blocked_s,
+                            "busy_s": stats.busy_s, "bytes": stats.total_bytes}
             if self.link.record_spans:
                 record[mode]["trace"] = {"step": (t0, t1), "link": [(x.start, x.done) for x in stats.spans],
                                          "blocked": list(stats.waits)}

@@ -192,8 +192,6 @@ class ColumnParallelSP(torch.autograd.Function):
                 wgrad_compute = False
         slot = ctx.slot
         ctx.slot = None
-        if comm.sub is not None:  # the grad-output of the chain autograd runs next travels from here
-            comm.sub[0].prefetch("dy", comm.sub[1] - 1)
         if wgrad_compute:
             slot.start()  # no-op when the Row linear after us already started it
 
@@ -256,6 +254,8 @@ class RowParallelSP(torch.autograd.Function):
         else:
             grad_input, gathered = comm.backend.gather_matmul(grad_output, weight, comm.group, comm.plan,
                                                               keep_gathered=True, after_own=run_held)
+        if comm.sub is not None:  # the grad-output of the chain autograd runs next travels from here
+            comm.sub[0].prefetch("dy", comm.sub[1] - 1)
         if slot is not None:
             slot.start_early()
         grad_2d, input_2d = as_2d(gathered, input)

@@ -94,7 +94,7 @@ class Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, sub: SubBatches):
         ctx.sub = sub
-        parts = tuple(p.clone() for p in x.split(sub.sizes, dim=0))
+        parts = x.split(sub.sizes, dim=0)
         sub.parts = parts
         return parts
 
