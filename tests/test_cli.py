@@ -211,6 +211,18 @@ def test_bench_mlp_smoke():
     assert "x limit" in out.stdout and "2 sub-batches" in out.stdout
 
 
+def test_bench_layer_smoke():
+    """A whole transformer layer (attention included), stock, per-op overlap and 2 sub-batches in
+    the same rounds: the same bytes, gradients within 1e-6 of stock, the bounds reported."""
+    out = cli("bench", "layer", "--hidden", "64", "--ffn", "128", "--heads", "4", "--seq", "64", "--steps", "1",
+              "--warmup", "1", "--sub-batches", "2", "--no-progress", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["max_rel_diff_vs_stock"] <= 1e-6 and result["sub_max_rel_diff_vs_stock"] <= 1e-6
+    assert result["overlap"]["bytes_per_step"] == result["sub"]["bytes_per_step"] == result["stock"]["bytes_per_step"] > 0
+    assert result["limit_ms"] <= result["phase_limit_ms"] and "transformer layer" in out.stdout
+
+
 def test_plan_cli_prints_json_and_the_published_table():
     out = cli("plan", "--model", "llama2-13b", "--hardware", "a100-pcie", "--tp", "8", "--inference", "--json")
     assert out.returncode == 0, out.stderr

@@ -8,8 +8,11 @@ import json
 from .bench_mlp import MLPBench, format_table, run
 
 
-def add_mlp_args(parser: argparse.ArgumentParser):
+def add_mlp_args(parser: argparse.ArgumentParser, layer: bool = False):
     d = MLPBench()
+    parser.set_defaults(block="layer" if layer else "mlp")
+    if layer:
+        parser.add_argument("--heads", type=int, default=d.heads)
     parser.add_argument("--hidden", type=int, default=d.hidden)
     parser.add_argument("--ffn", type=int, default=d.ffn)
     parser.add_argument("--seq", type=int, default=d.seq)
@@ -37,6 +40,8 @@ def add_mlp_args(parser: argparse.ArgumentParser):
 def mlp_main(args) -> int:
     fields = MLPBench.__dataclass_fields__
     cfg = MLPBench(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+    if args.predict and cfg.block != "mlp":
+        raise SystemExit("megatron-overlap bench layer: --predict models the MLP block only; drop it")
     result = run(cfg, progress=not args.no_progress, timeline_png=args.timeline)
     print(format_table(result))
     if args.predict:

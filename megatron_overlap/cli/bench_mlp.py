@@ -24,6 +24,8 @@ from ..lab.mlp_bench import MLPBench
 
 
 LABELS = {"stock": "stock Megatron", "overlap": "megatron-overlap", "sub": "+ sub-batches"}
+TITLES = {"mlp": "MLP block (fc1 -> GeLU -> fc2)",
+          "layer": "transformer layer (norm, QKV, causal attention, proj, norm, fc1, GeLU, fc2)"}
 
 
 def run(cfg: MLPBench, progress: bool = True, timeline_png: str = "") -> dict:
@@ -36,7 +38,7 @@ def run(cfg: MLPBench, progress: bool = True, timeline_png: str = "") -> dict:
     from ..lab.session import RemoteSession
 
     with RankPool(cfg.tp, timeout=1800, threads_per_rank=1) as pool:
-        bar = tqdm(total=cfg.warmup + cfg.steps, desc="MLP bench (replay, free link, emulated link)", unit="round",
+        bar = tqdm(total=cfg.warmup + cfg.steps, desc=f"{cfg.block} bench (replay, free link, emulated link)", unit="round",
                    disable=not progress)
         ranks = RemoteSession(pool, MLPBenchRanks, asdict(cfg))
         rounds = ranks.rounds(cfg.warmup, cfg.steps, bar, record_last=bool(timeline_png))
@@ -44,11 +46,11 @@ def run(cfg: MLPBench, progress: bool = True, timeline_png: str = "") -> dict:
         closing = ranks.close()
     result = summarize(cfg, rounds, closing)
     if timeline_png:
-        result["timeline_png"] = draw_timeline(rounds[-1], timeline_png)
+        result["timeline_png"] = draw_timeline(rounds[-1], timeline_png, TITLES[cfg.block])
     return result
 
 
-def draw_timeline(per_rank: list, path: str) -> str:
+def draw_timeline(per_rank: list, path: str, title: str = "") -> str:
     """Both modes of one round, the whole step, per rank: compute, blocked, link."""
     from ..trace import timeline
 
@@ -64,8 +66,8 @@ def draw_timeline(per_rank: list, path: str) -> str:
                          timeline.clip(timeline.subtract((start, end), trace["blocked"]), start, end)))
             rows.append((f"rank {rank} blocked", "blocked", timeline.clip(trace["blocked"], start, end)))
             rows.append((f"rank {rank} link", "link", timeline.clip(trace["link"], start, end)))
-        panels.append(timeline.Panel(f"{label}: MLP fwd+bwd", width, rows))
-    return timeline.draw(panels, path, title="MLP block (fc1 -> GeLU -> fc2), TP + SP, emulated link", columns=1)
+        panels.append(timeline.Panel(f"{label}: fwd+bwd", width, rows))
+    return timeline.draw(panels, path, title=f"{title or TITLES['mlp']}, TP + SP, emulated link", columns=1)
 
 
 def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
@@ -112,8 +114,8 @@ def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
         return statistics.median(ratios)
 
     # Forward and backward run one after the other: each phase is bound by its own compute or
-    # transfer, whichever is longer (the forward moves 2 of the 5 tensors and does 1/3 of the
-    # compute), so max(compute, transfer) of the whole step is below what any schedule reaches.
+    # transfer, whichever is longer (the MLP's forward moves 2 of its 5 tensors and does 1/3 of
+    # its compute), so max(compute, transfer) of the whole step is below what any schedule reaches.
     def phase_limit(per_rank):
         compute = max(r["compute_s"] for r in per_rank)
         forward = max(r["compute_forward_s"] for r in per_rank)
@@ -151,7 +153,7 @@ def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
 def format_table(result: dict) -> str:
     link, cfg = result["link"], result["config"]
     lines = [
-        f"MLP block fwd+bwd, hidden {cfg['hidden']}, ffn {cfg['ffn']}, seq {cfg['seq']}, "
+        f"{TITLES[cfg.get('block', 'mlp')]} fwd+bwd, hidden {cfg['hidden']}, ffn {cfg['ffn']}, seq {cfg['seq']}, "
         f"TP={cfg['tp']} + SP, fp32, 1 thread/rank, {cfg['steps']} rounds (medians)",
         f"link: {link['bandwidth_GBps']:.4f} GB/s egress per rank, {link['latency_us']:.0f} us/message "
         f"(transfers = {cfg['comm_ratio']:g} x compute)",

@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     from .bench import add_mlp_args
 
     add_mlp_args(bench_sub.add_parser("mlp", help="MLP block fwd+bwd, stock vs overlap, emulated link"))
+    add_mlp_args(bench_sub.add_parser("layer", help="one whole transformer layer (attention included) fwd+bwd, "
+                                      "stock vs overlap (vs sub-batches), emulated link"), layer=True)
     from .bench import add_attention_args
 
     add_attention_args(bench_sub.add_parser(
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
         from .bench import attention_main
 
         return attention_main(args)
-    if args.command == "bench" and args.bench == "mlp":
+    if args.command == "bench" and args.bench in ("mlp", "layer"):
         from .bench import mlp_main
 
         return mlp_main(args)

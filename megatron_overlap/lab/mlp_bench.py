@@ -28,6 +28,8 @@ class MLPBench:
     rs: str = "ring"
     bidirectional: bool = False
     sub_batches: int = 1  # > 1: also per-op overlap with the block cut into this many sub-batches
+    block: str = "mlp"  # or "layer": a whole transformer layer (lab/layer_bench.py)
+    heads: int = 8
     seed: int = 0
 
     @property
@@ -97,11 +99,14 @@ class MLPBenchRanks:
         logging.getLogger("megatron_overlap").setLevel(logging.ERROR)  # installs once per step
         megatron_overlap.uninstall()
         self.cfg = cfg
-        self.mlp = _build(cfg)
+        from . import layer_bench
+
+        self.mlp = _build(cfg) if cfg.block == "mlp" else layer_bench.build_layer(cfg)
         torch.manual_seed(cfg.seed + 10 + dist.get_rank())
         self.x = torch.randn(cfg.seq // cfg.tp, cfg.micro_batch, cfg.hidden, requires_grad=True)
         self.dy = torch.randn(cfg.seq // cfg.tp, cfg.micro_batch, cfg.hidden)
-        self.replay = _ComputeReplay(self.mlp, cfg)
+        self.replay = _ComputeReplay(self.mlp, cfg) if cfg.block == "mlp" else layer_bench.LayerReplay(self.mlp, cfg)
+        self.mask = layer_bench.causal_mask(cfg.seq)
         flags = ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(cfg.chunks), "--overlap-tp-rs", cfg.rs]
         if cfg.bidirectional:
             flags.append("--overlap-tp-bidirectional")
@@ -132,8 +137,11 @@ class MLPBenchRanks:
     def _step(self, after_forward=None):
         self.mlp.zero_grad(set_to_none=True)
         self.x.grad = None
-        out, bias = self.mlp(self.x)
-        y = out + bias
+        if self.cfg.block == "mlp":
+            out, bias = self.mlp(self.x)
+            y = out + bias
+        else:
+            y, _context = self.mlp(self.x, attention_mask=self.mask)
         if after_forward is not None:
             after_forward()
         y.backward(self.dy)
@@ -170,8 +178,8 @@ class MLPBenchRanks:
             stats = self.link.reset()
             megatron_overlap.uninstall()
             if index == 0 and mode in modes:
-                self.grads[mode] = (self.x.grad.clone(), self.mlp.linear_fc1.weight.grad.clone(),
-                                    self.mlp.linear_fc2.weight.grad.clone())
+                self.grads[mode] = [self.x.grad.clone()] + [p.grad.clone() for p in self.mlp.parameters()
+                                                             if p.grad is not None]
             record[mode] = {"wall_s": t1 - t0, "forward_s": marks[0] - t0, "blocked_s": stats.blocked_s,
                             "busy_s": stats.busy_s, "bytes": stats.total_bytes}
             if self.link.record_spans:
