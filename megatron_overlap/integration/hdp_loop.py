@@ -31,7 +31,7 @@ data parallelism over the same documents computes it. A schedule handed an
 from __future__ import annotations
 
 import functools
-from typing import Iterator, List
+from typing import List
 
 from ..errors import OverlapConfigError
 

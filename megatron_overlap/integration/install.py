@@ -93,7 +93,9 @@ class Installation:
         self.calls = collections.Counter()
         self.wgrad = None  # tp.wgrad_store.WgradStore while TP overlap runs
         self.prefetch = PrefetchRegistry()
-        self.sub_batch = None  # tp.sub_batch.SubBatches while a sub-batched MLP block runs its forward
+        self.sub_batch = None  # tp.sub_batch.SubBatches while a sub-batched block runs its forward
+        self.attention_block = None  # the Attention whose core attention is being cut (sub_batches.py)
+        self.projected = None  # (context rows, projection, bias) between a cut core attention and linear_proj
         self.checked: set = set()
         self._noticed: set = set()
         self._saved: list = []  # (owner, name, original object)

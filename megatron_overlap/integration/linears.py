@@ -99,9 +99,9 @@ def patch(inst) -> None:
     inst.tp = TPPlanner(inst.config.tp, make_backend(inst.config.tp.mode), tuner)
     inst.set_attr(layers.RowParallelLinear, "forward", _row_forward(inst, layers.RowParallelLinear.__dict__["forward"]))
     if inst.config.tp.sub_batches > 1:
-        from . import mlp
+        from . import sub_batches
 
-        mlp.patch(inst)
+        sub_batches.patch(inst)
     inst.notice_once("tp-on", f"TP overlap on ({inst.tp.backend.name}): {' '.join(inst.config.as_flags())}")
 
 
@@ -165,9 +165,15 @@ def _row_forward(inst, original):
             inst.notice_once("gtp", "GTP-sharded weights (gtp_remat_size > 1) run Megatron's stock path")
             return original(self, input_)
         _check_cpu_offloading(self, input_)
+        if inst.projected is not None:
+            from .sub_batches import projected
+
+            done = projected(inst, input_)
+            if done is not None:  # computed per sub-batch by the core attention (sub_batches.py)
+                return done
         rows = input_.shape[0] // group.size()
         sub = inst.sub_batch
-        part = (sub, sub.index) if sub is not None and self is sub.owner.linear_fc2 and self.skip_bias_add else None
+        part = (sub, sub.index) if sub is not None and self is sub.row and self.skip_bias_add else None
         comm = _comm(inst, "row", group, input_, self.weight, rows, part)
         inst.calls["tp.row"] += 1
         output_ = RowParallelSP.apply(input_, self.weight, WgradOptions(self.gradient_accumulation_fusion), comm)

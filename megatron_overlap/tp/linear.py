@@ -256,8 +256,8 @@ class RowParallelSP(torch.autograd.Function):
                                                               keep_gathered=True, after_own=run_held)
         if comm.sub is not None:  # the grad-output of the chain autograd runs next travels from here
             comm.sub[0].prefetch("dy", comm.sub[1] - 1)
-        if slot is not None:
-            slot.start_early()
+        if slot is not None:  # all of it where a cut core attention's backward follows (no link use of its own)
+            slot.start() if comm.sub is not None and comm.sub[0].gather_whole_early else slot.start_early()
         grad_2d, input_2d = as_2d(gathered, input)
         grad_weight = _wgrad(weight, grad_2d, input_2d, wgrad, input, comm)
         return grad_input, grad_weight, None, None

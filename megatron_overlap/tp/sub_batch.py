@@ -45,9 +45,12 @@ class SubBatches:
     reduce-scatters waited behind. The patched linears find it on the installation while the
     block runs (forward) and in their autograd context (backward)."""
 
-    def __init__(self, group: dist.ProcessGroup, sizes: Sequence[int], owner=None):
-        self.group, self.sizes, self.owner = group, list(sizes), owner
+    def __init__(self, group: dist.ProcessGroup, sizes: Sequence[int], row=None):
+        self.group, self.sizes, self.row = group, list(sizes), row  # row: the Row linear whose output is cut
         self.n = len(self.sizes)
+        # the Column input re-gather the Row backward starts early: all of it when what runs in between
+        # has no transfers of its own (a core attention's backward), else the plan's fraction
+        self.gather_whole_early = False
         self.index = 0  # the sub-batch the forward is running
         self.parts: Tuple[torch.Tensor, ...] = ()
         self.grads: Tuple[torch.Tensor, ...] = ()
