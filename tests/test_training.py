@@ -66,8 +66,8 @@ def test_sequence_parallel_with_the_torch_norm_without_apex(pool4):
 SUB_STEPS = 3
 
 
-@pytest.mark.parametrize("tp,n,overlap_grad_reduce", [(2, 2, False), (2, 3, True), (4, 2, True), (4, 3, False)],
-                         ids=["tp2-sub2-ogr-off", "tp2-sub3-ogr-on", "tp4-sub2-ogr-on", "tp4-sub3-ogr-off"])
+@pytest.mark.parametrize("overlap_grad_reduce", [False, True], ids=["ogr-off", "ogr-on"])
+@pytest.mark.parametrize("tp,n", [(2, 2), (2, 3), (4, 2), (4, 3)], ids=["tp2-sub2", "tp2-sub3", "tp4-sub2", "tp4-sub3"])
 def test_sub_batches_match_stock(pool4, tp, n, overlap_grad_reduce):
     """Each attention and MLP block cut into n sub-batches (issue: workload-partition; uneven for
     n = 3: 32 rows per rank -> 11, 11, 10 at TP=2, 16 -> 6, 5, 5 at TP=4): losses within 1e-6 of
@@ -90,6 +90,23 @@ def test_sub_batches_match_stock(pool4, tp, n, overlap_grad_reduce):
             diff = rank_fns._rel(o["grads"][name], grad)
             assert diff <= 1e-6, (rank, name, diff)
     assert stock[0]["losses"][-1] < stock[0]["losses"][0]
+
+
+@pytest.mark.parametrize("overlap_grad_reduce", [False, True], ids=["ogr-off", "ogr-on"])
+def test_sub_batches_with_context_parallelism(pool4, overlap_grad_reduce):
+    """TP=2 x CP=2 (ring): the attention runs whole (CP has its own), the MLP is cut; losses
+    and gradients within 1e-6 of the same CP run without sub-batches."""
+    base = ["--overlap-tp", "p2p", "--overlap-cp", "ring"]
+    whole = pool4.run(rank_fns.gpt_losses_and_grads, 2, SUB_STEPS, base, overlap_grad_reduce, cp=2)
+    cut = pool4.run(rank_fns.gpt_losses_and_grads, 2, SUB_STEPS, base + ["--overlap-tp-sub-batches", "2"],
+                    overlap_grad_reduce, cp=2)
+    for rank in range(4):
+        w, c = whole[rank], cut[rank]
+        assert c["calls"]["tp.sub_batches"] == 2 * SUB_STEPS and "tp.sub_batches.attention" not in c["calls"], c["calls"]
+        for a, b in zip(c["losses"], w["losses"]):
+            assert abs(a - b) <= 1e-6 * abs(b), (rank, c["losses"], w["losses"])
+        for name, grad in w["grads"].items():
+            assert rank_fns._rel(c["grads"][name], grad) <= 1e-6, (rank, name)
 
 
 def test_sub_batches_refuse_rows_they_cannot_cut(pool4):
