@@ -258,3 +258,46 @@ def test_fused_is_priced_at_its_measured_speed():
     measured, ideal = simulate(model, run, hw, Strategy("fused")), simulate(model, run, hw, Strategy("fused", fused_slowdown=0.0))
     stock = simulate(model, run, hw, Strategy("megatron"))
     assert measured.step_ms > stock.step_ms > ideal.step_ms * 0.5  # at 0.26x cuBLAS, slower than stock
+
+
+def test_sub_batches_move_the_same_bytes_and_hide_more_of_a_layer():
+    """tune/sub_batches.py: a layer cut in 2 (the `bench layer` shapes on an emulated CPU link)
+    moves the same bytes as per-op overlap (zero-latency link: the same link time) and leaves
+    less of them exposed, the attention's compute hiding the projection's reduce-scatters; the
+    planner lists the cut with its flag, and `auto` never chooses it (it is the user's)."""
+    from megatron_overlap.tune.hardware import cpu_emulated_spec
+    from megatron_overlap.tune.layer_ops import transformer_layer_ops
+    from megatron_overlap.tune.models import ModelSpec, RunSpec
+    from megatron_overlap.tune.planner import candidates
+    from megatron_overlap.tune.simulate import make_ctx, simulate_ops
+    from megatron_overlap.tune.strategies import Strategy
+
+    hw = cpu_emulated_spec(60.0, 10.0, 0.04, 0.0)
+    model = ModelSpec("layer", hidden=1024, ffn=4096, heads=8, kv_heads=8, layers=1, vocab=1024, seq=2048, gated=False)
+    run = RunSpec(tp=2, seq=2048, micro_batch=1, phase="train")
+    ops = transformer_layer_ops(model, run, hw)
+    whole = simulate_ops(ops, make_ctx(run, hw, Strategy("p2p")), True)
+    cut = simulate_ops(ops, make_ctx(run, hw, Strategy("p2p", sub_batches=2)), True)
+    assert cut.comm_ms("tp") == pytest.approx(whole.comm_ms("tp"), rel=1e-9)
+    assert cut.exposed_ms("tp") < whole.exposed_ms("tp")
+    flags = {s.flags(2) for s in candidates(run) if s.sub_batches > 1}
+    assert "--overlap-tp p2p --overlap-tp-sub-batches 2 --overlap-tp-chunks 0 --overlap-tp-rs ring" in flags
+    with pytest.raises(ValueError, match="p2p and symm-mem only"):
+        Strategy("fused", sub_batches=2)
+    import argparse
+
+    from megatron_overlap.tune.auto import predicted_choice
+
+    from megatron_overlap.tune.hardware import get_hardware
+    from megatron_overlap.tune.models import get_model
+    from megatron_overlap.tune.planner import make_plan
+
+    # Llama-3-70B, H100, TP=8, seq 8192, micro-batch 4: the plan ranks symm-mem cut in 2 first
+    plan = make_plan(get_model("llama3-70b"), RunSpec(tp=8, seq=8192, micro_batch=4, phase="train"),
+                     get_hardware("h100-sxm"))
+    assert plan.best.strategy.sub_batches == 2, plan.best.name
+    args = argparse.Namespace(hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64, num_layers=80,
+                              seq_length=8192, tensor_model_parallel_size=8, micro_batch_size=4,
+                              num_query_groups=8, group_query_attention=True, swiglu=True, padded_vocab_size=128256)
+    best, _stock = predicted_choice(args, "NVIDIA H100 80GB HBM3", True)
+    assert best.strategy.sub_batches == 1 and best.strategy.name == "symm-mem", best.name

@@ -50,7 +50,8 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
 
         allowed = [Strategy("megatron"), Strategy("p2p", chunks=fixed_p2p[0], rs=fixed_p2p[1])]
     else:
-        allowed = [s for s in plan_candidates(run) if s.name == "megatron" or s.name == "p2p"
-                   or (s.name == "symm-mem" and symm_mem_usable)]
+        # sub-batches are the user's choice (`tp.sub_batches`): auto picks the backend and chunks only
+        allowed = [s for s in plan_candidates(run) if s.sub_batches == 1 and (
+            s.name == "megatron" or s.name == "p2p" or (s.name == "symm-mem" and symm_mem_usable))]
     plan = make_plan(model, run, get_hardware(spec), allowed)
     return (plan.best, plan.stock) if plan.ranked else None

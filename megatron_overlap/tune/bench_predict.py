@@ -72,6 +72,8 @@ def predict_mlp_bench(result: dict, rates: dict = None) -> dict:
     ops = mlp_ops(cfg["hidden"], cfg["ffn"], act_fwd, act_bwd)
     out = {"compute_scale": scale, "link": dict(result["link"])}
     plans = {"stock": Strategy("megatron"), "overlap": Strategy("p2p", chunks=cfg["chunks"] // cfg["tp"], rs=cfg["rs"])}
+    if cfg.get("sub_batches", 1) > 1:
+        plans["sub"] = Strategy("p2p", chunks=cfg["chunks"] // cfg["tp"], rs=cfg["rs"], sub_batches=cfg["sub_batches"])
     for mode, strategy in plans.items():
         res = simulate_ops(ops, make_ctx(run, hw, strategy), training=True)
         compute = sum(e - s for sched, tasks in ((res.fwd, res.fwd_tasks), (res.bwd, res.bwd_tasks))
@@ -88,7 +90,7 @@ def compare(result: dict, rates: dict = None) -> str:
     """A small table: predicted vs measured step, exposed communication, link time."""
     p = predict_mlp_bench(result, rates)
     lines = [f"{'':10}{'measured':>10}{'predicted':>11}{'error':>8}   exposed comm meas./pred.   link meas./pred."]
-    for mode in ("stock", "overlap"):
+    for mode in (m for m in ("stock", "overlap", "sub") if f"{m}_ms" in p):
         meas, pred = result[mode]["step_ms"], p[f"{mode}_ms"]
         lines.append(f"{mode:10}{meas:>10.1f}{pred:>11.1f}{100 * (pred / meas - 1):>+7.1f}%"
                      f"   {result[mode]['exposed_comm_ms']:>8.1f} / {p[f'{mode}_exposed_comm_ms']:<8.1f}"

@@ -2,7 +2,8 @@
 
 Candidates: stock Megatron; ``p2p`` with the plugin's own chunk rule and with 1, 2, 4, 8
 uniform chunks per rank, each with ``ring`` and (for TP > 2, where they differ) ``a2a``
-reduce-scatter; ``symm-mem``; ``fused``. Each is simulated (``simulate.simulate``); those that
+reduce-scatter; ``symm-mem``; ``fused``; ``p2p`` (the plugin's chunk rule) with 2 and 3
+sub-batches and ``symm-mem`` with 2 (``tune/sub_batches.py``). Each is simulated (``simulate.simulate``); those that
 cannot run the configuration are listed with the reason.
 """
 
@@ -22,6 +23,7 @@ def candidates(run: RunSpec) -> list[Strategy]:
         for rs in ("ring", "a2a") if run.tp > 2 else ("ring",):
             out.append(Strategy("p2p", chunks=chunks, rs=rs))
     out += [Strategy("symm-mem"), Strategy("fused")]
+    out += [Strategy("p2p", sub_batches=n) for n in (2, 3)] + [Strategy("symm-mem", sub_batches=2)]
     return out
 
 
@@ -66,15 +68,16 @@ def describe_run(run: RunSpec) -> str:
 
 
 def format_plan(plan: Plan) -> str:
+    width = max([17] + [len(r.name) + 1 for r in plan.ranked])
     lines = [
         f"{plan.model.name} on {plan.hardware.name}: {describe_run(plan.run)}",
         "",
-        f"{'#':>2}  {'strategy':<17}{'step ms':>11}{'vs stock':>9}{'TP comm ms':>12}{'exposed ms':>12}"
+        f"{'#':>2}  {'strategy':<{width}}{'step ms':>11}{'vs stock':>9}{'TP comm ms':>12}{'exposed ms':>12}"
         f"{'TP share':>9}  flags",
     ]
     for i, r in enumerate(plan.ranked, 1):
         lines.append(
-            f"{i:>2}  {r.name:<17}{r.step_ms:>11.2f}{plan.speedup(r):>8.2f}x{r.comm_ms:>12.2f}"
+            f"{i:>2}  {r.name:<{width}}{r.step_ms:>11.2f}{plan.speedup(r):>8.2f}x{r.comm_ms:>12.2f}"
             f"{r.exposed_comm_ms:>12.2f}{100 * r.comm_fraction:>8.0f}%  {r.flags}"
         )
     by_reason: dict = {}

@@ -78,14 +78,23 @@ class StrategyResult:
 def simulate_ops(ops: list, ctx: Ctx, training: bool) -> OpsResult:
     """Schedule ``ops`` forward (and, when training, backward in reverse order)."""
     sm = ctx.hw.nccl_sm_fraction
+    n = ctx.strategy.sub_batches
     g, ready = Graph(), []
-    for op in ops:
+    if n > 1:
+        from . import sub_batches
+
+        ready = sub_batches.forward(g, ctx, ops, n)
+    for op in ops if n == 1 else ():
         ready = linear_fwd(g, ctx, op, ready) if isinstance(op, Linear) else other_fwd(g, ctx, op, ready)
     g.compute("end", 0.0, ready)  # the next layer needs the output: trailing transfers count as exposed
     fwd_tasks = g.tasks
     fwd = schedule(g, sm)
     gb, ready = Graph(), []
-    if training:
+    if training and n > 1:
+        from . import sub_batches
+
+        gb.compute("end", 0.0, sub_batches.backward(gb, ctx, ops, n))
+    elif training:
         prefetch: dict = {}
         for index in range(len(ops) - 1, -1, -1):
             op = ops[index]
@@ -112,6 +121,8 @@ def not_applicable(run: RunSpec, hw, strategy: Strategy) -> str:
     if run.tokens % run.tp:
         return f"{run.tokens} token(s) per micro-batch do not split over TP={run.tp} (sequence parallelism needs it)"
     rows = run.tokens // run.micro_batch // run.tp if run.phase != "decode" else run.tokens // run.tp
+    if strategy.sub_batches > 1 and (run.phase == "decode" or rows // strategy.sub_batches < max(1, strategy.chunks)):
+        return f"{strategy.sub_batches} sub-batches of {rows} rows per rank leave too few rows per part"
     if strategy.name == "p2p":
         chunks = strategy.chunks or default_chunks_per_rank(rows, run.micro_batch)
         if chunks > rows:

@@ -50,12 +50,15 @@ class Strategy:
     prefetch_fraction: float = 0.5
     fused_fill_chunks: int = 4
     fused_slowdown: Optional[float] = None  # None: measured for fused, 0 for flux (the paper's kernels)
+    sub_batches: int = 1  # p2p / symm-mem: attention and MLP blocks cut into this many row parts (simulate.py)
 
     def __post_init__(self):
         if self.name not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.name!r}; one of {STRATEGIES}")
         if self.rs not in ("ring", "a2a") or self.chunks < 0:
             raise ValueError(f"invalid p2p options: chunks {self.chunks}, rs {self.rs!r}")
+        if self.sub_batches < 1 or (self.sub_batches > 1 and self.name not in ("p2p", "symm-mem")):
+            raise ValueError(f"sub-batches {self.sub_batches} with {self.name}: p2p and symm-mem only")
 
     @property
     def slowdown(self) -> float:
@@ -65,9 +68,10 @@ class Strategy:
         return fused_slowdown() if self.name == "fused" else 0.0
 
     def label(self) -> str:
+        cut = f" x{self.sub_batches} sub-batches" if self.sub_batches > 1 else ""
         if self.name != "p2p":
-            return self.name
-        return f"p2p {'auto' if self.chunks == 0 else self.chunks}/rank {self.rs}"
+            return self.name + cut
+        return f"p2p {'auto' if self.chunks == 0 else self.chunks}/rank {self.rs}{cut}"
 
     def flags(self, tp: int) -> str:
         """The megatron-overlap flags that select this plan (chunks counted over the TP group),
@@ -77,9 +81,11 @@ class Strategy:
         if self.name == "flux":
             return "(Flux itself: no megatron-overlap flag)"
         if self.name == "p2p":
-            return " ".join(OverlapConfig(tp=TPConfig(mode="p2p", chunks=self.chunks * tp, rs=self.rs)).as_flags())
+            return " ".join(OverlapConfig(tp=TPConfig(mode="p2p", chunks=self.chunks * tp, rs=self.rs,
+                                                      sub_batches=self.sub_batches)).as_flags())
         mode = "off" if self.name == "megatron" else self.name
-        return " ".join(OverlapConfig(tp=TPConfig(mode=mode)).as_flags()[:2])
+        return " ".join(OverlapConfig(tp=TPConfig(mode=mode, sub_batches=self.sub_batches)).as_flags()[:4 if
+                                                                                                   self.sub_batches > 1 else 2])
 
 
 def default_chunks_per_rank(rows_per_rank: int, batch: int = 1) -> int:
@@ -112,6 +118,7 @@ class Ctx:
     cp_link: object = None
     cp_stream: str = "link"
     sequence_parallel: bool = True
+    deferred: Optional[list] = None  # sub-batches: reduce-scatter adds finished after the last part
 
     @property
     def d(self) -> int:
@@ -155,7 +162,9 @@ def _ring_gather_consume(g: Graph, ctx: Ctx, name, ready, bytes_per_token, gemm_
 def _ring_reduce_scatter(g: Graph, ctx: Ctx, name, ready, n_out, partial_of, pieces, algo, before_adds=None):
     """p2p reduce-scatter of per-piece partials (ring: running sums; a2a: straight to the owner),
     own rows in one GEMM, then ``before_adds(own)`` (e.g. the wgrad, hiding the RS tail), then
-    the adds of what arrived (``rs.finish``); returns the last task."""
+    the adds of what arrived (``rs.finish``); returns the last task. With ``ctx.deferred`` (a
+    list: a sub-batch's reduce-scatter, finished after the last part), the adds are appended
+    there as (name, ms, deps) instead and the own GEMM (or ``before_adds``) is returned."""
     R, sends = ctx.tp, {}
     for step in range(R - 1):
         for k, t in enumerate(pieces):
@@ -168,6 +177,9 @@ def _ring_reduce_scatter(g: Graph, ctx: Ctx, name, ready, n_out, partial_of, pie
         last = before_adds(last)
     finals = [(k, sends[R - 2, k]) for k in range(len(pieces))] if algo == "ring" else [
         (k, sends[step, k]) for step in range(R - 1) for k in range(len(pieces))]
+    if ctx.deferred is not None:
+        ctx.deferred.extend((f"{name} add", ctx.add_ms(pieces[k], n_out), [last, arrived]) for k, arrived in finals)
+        return last
     for k, arrived in finals:
         last = g.compute(f"{name} add", ctx.add_ms(pieces[k], n_out), [last, arrived])
     return last
