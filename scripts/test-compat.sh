@@ -2,7 +2,7 @@
 # megatron-core 0.19 for real (not part of .ci/run: the venv is ~5.5 GB, torch 2.14's CUDA build
 # and its nvidia wheels being the only torch 2.14 for Python 3.12 on the registries here).
 # Builds (or reuses) .venv-compat with Python 3.12, torch 2.14.x, megatron-core 0.19.2 and this
-# package, then runs the TP parity tests and the pretrain_gpt.py tests against Megatron-LM's
+# package, then runs the TP parity and training tests (sub-batches included) and the pretrain_gpt.py tests against Megatron-LM's
 # core_v0.19.0 training loop (MEGATRON_LM_DIR; default: the shared copy). Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -32,4 +32,4 @@ export MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$PWD/../shared/third_party/megatron-lm
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_VISIBLE_DEVICES=""
 "$VENV/bin/python" -c "import torch, megatron.core as m; print('test-compat: torch', torch.__version__, \
 'megatron-core', m.__version__)"
-exec "$VENV/bin/python" -m pytest -q tests/test_parity.py tests/test_pretrain_gpt.py tests/test_install.py "$@"
+exec "$VENV/bin/python" -m pytest -q tests/test_parity.py tests/test_training.py tests/test_pretrain_gpt.py tests/test_install.py "$@"

@@ -164,10 +164,14 @@ def batch(spec: TinyGPT, step: int, seed: int = 7):
     mask = torch.triu(torch.ones(1, 1, spec.seq, spec.seq, dtype=torch.bool), diagonal=1)
     if parallel_state.get_context_parallel_world_size() > 1:
         # Megatron's own zigzag slicing (chunks i and 2*CP-1-i of every sequence)
+        import inspect
+
         from megatron.core.utils import get_batch_on_this_cp_rank
 
+        extra = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters \
+            else {}  # megatron-core 0.19 asks whether its own hybrid CP runs
         sliced = get_batch_on_this_cp_rank(
-            {"tokens": tokens, "labels": labels, "position_ids": position_ids, "attention_mask": mask}
+            {"tokens": tokens, "labels": labels, "position_ids": position_ids, "attention_mask": mask}, **extra
         )
         tokens, labels, position_ids, mask = (sliced[k] for k in ("tokens", "labels", "position_ids", "attention_mask"))
     return tokens, labels, position_ids, mask
