@@ -49,10 +49,10 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         "plus a local reduce (a2a, the only one of --overlap-tp fused).")),
     ("--overlap-tp-sub-batches", "tp.sub_batches", dict(
         type=int, default=None, metavar="N",
-        help="Cut each MLP block's rows into N sub-batches run one after another, so one sub-batch's all-gather "
-        "/ reduce-scatter travels while another computes, across fc1, the activation and fc2 (Domino-style "
-        "workload partitioning; 2 is the usual choice; default 1: whole). Megatron's local MLP with sequence "
-        "parallelism; not with --overlap-tp fused.")),
+        help="Cut each attention and MLP block's rows into N sub-batches run one after another, so one "
+        "sub-batch's all-gather / reduce-scatter travels while another's attention or GEMMs compute (Domino-style "
+        "workload partitioning; 2 or 3 are the usual choices; default 1: whole). Megatron's local spec with "
+        "sequence parallelism; not with --overlap-tp fused.")),
     ("--overlap-tp-bidirectional", "tp.bidirectional", dict(
         action="store_true", default=None,
         help="Split each chunk in two halves travelling both ways round the ring.")),

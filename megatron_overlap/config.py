@@ -60,7 +60,7 @@ class TPConfig(_Section):
     """Decompositions to load."""
 
     sub_batches: int = 1
-    """Sub-batches each MLP block's rows are cut into (``tp/sub_batch.py``); 1: the block runs whole."""
+    """Sub-batches each attention and MLP block's rows are cut into (``tp/sub_batch.py``); 1: whole."""
 
     explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
     """Names of the fields above the user set (conflict messages only)."""

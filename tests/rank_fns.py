@@ -746,3 +746,37 @@ def sub_batch_row_errors(tp: int) -> dict:
             _install([])
     out["no_grad_equal"] = bool(torch.equal(ours, stock))
     return out
+
+
+def sub_batch_whole_reasons(tp: int) -> dict:
+    """Why a block of the tiny GPT runs whole under ``--overlap-tp-sub-batches 2``, for each
+    setting the cut cannot honour (set on the built modules one at a time)."""
+    from megatron_overlap.integration.install import find_installation
+    from megatron_overlap.integration.sub_batches import _attention_stock_reason, _stock_reason
+    from megatron_overlap.lab import tiny_gpt
+
+    tiny_gpt.init_parallel(tp)
+    layer = tiny_gpt.build(tiny_gpt.TinyGPT(), tp).decoder.layers[0]
+    attention, mlp = layer.self_attention, layer.mlp
+    softmax = attention.core_attention.scale_mask_softmax
+    _install(["--overlap-tp", "p2p", "--overlap-tp-sub-batches", "2"])
+    try:
+        inst = find_installation()
+        out = {"plain": (_attention_stock_reason(inst, attention, {}), _stock_reason(mlp, (), {}))}
+        softmax.window_size = (8, 0)
+        out["window"] = _attention_stock_reason(inst, attention, {})
+        softmax.window_size = None
+        softmax.scaled_masked_softmax_fusion, softmax.input_in_float16 = True, True
+        out["fused"] = _attention_stock_reason(inst, attention, {})
+        softmax.scaled_masked_softmax_fusion, softmax.input_in_float16 = False, False
+        attention.linear_proj.weight.requires_grad_(False)
+        out["frozen"] = _attention_stock_reason(inst, attention, {})
+        attention.linear_proj.weight.requires_grad_(True)
+        out["inference"] = _attention_stock_reason(inst, attention, {"inference_context": object()})
+        mlp.linear_fc1.weight.__fsdp_param__ = True
+        out["fsdp"] = _stock_reason(mlp, (), {})
+        del mlp.linear_fc1.weight.__fsdp_param__
+        return out
+    finally:
+        _install([])
+

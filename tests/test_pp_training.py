@@ -44,7 +44,7 @@ def test_every_schedule_trains_like_megatrons_1f1b(pool4, tp, pp, overlap_grad_r
 
 @pytest.mark.parametrize("overlap_grad_reduce", [False, True], ids=["ddp-sync", "ddp-overlap"])
 def test_sub_batches_under_zero_bubble(pool4, overlap_grad_reduce):
-    """TP=2 x PP=2, ZB-H1, each MLP block cut into 2 sub-batches (issue: workload-partition):
+    """TP=2 x PP=2, ZB-H1, each attention and MLP block cut into 2 sub-batches (issue: workload-partition):
     the sub-batches' weight gradients wait for W like any other and the losses and gradients
     stay within 1e-6 of stock 1F1B (the MLP weight gradients are summed per sub-batch, a few
     ulp from one GEMM; tests/test_training.py)."""
@@ -56,8 +56,11 @@ def test_sub_batches_under_zero_bubble(pool4, overlap_grad_reduce):
             assert abs(a - b) <= TOL * abs(b), (rank, ours["losses"], stock["losses"])
         worst = max(pp_rank_fns.rel(x, y) for x, y in zip(ours["grads"], stock["grads"]))
         assert worst <= TOL, (rank, worst)
-        # 2 MLP blocks per stage, 4 micro-batches, 2 steps: every block ran cut; W ran the wgrads
-        assert ours["calls"].get("tp.sub_batches") == 2 * m * 2 and ours["ran"] > 0, (rank, ours["calls"])
+        # 2 layers per stage, 4 micro-batches, 2 steps: every attention and MLP block ran cut; W ran the wgrads
+        cut = 2 * m * 2
+        assert ours["calls"].get("tp.sub_batches") == ours["calls"].get("tp.sub_batches.attention") == cut, \
+            (rank, ours["calls"])
+        assert ours["ran"] > 0, rank
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), (1, 4)], ids=["pp2", "pp4"])

@@ -109,6 +109,16 @@ def test_sub_batches_with_context_parallelism(pool4, overlap_grad_reduce):
             assert rank_fns._rel(c["grads"][name], grad) <= 1e-6, (rank, name)
 
 
+def test_sub_batches_leave_blocks_whole_where_they_cannot_cut(pool4):
+    """The settings a cut cannot honour leave the block whole (with a notice naming the reason,
+    issued by the patched forward): sliding windows and the fused softmax (both assume the whole
+    square of queries), a frozen projection, inference, Megatron-FSDP weights."""
+    r = pool4.run(rank_fns.sub_batch_whole_reasons, 2)[0]
+    assert r["plain"] == (None, None), r
+    assert "sliding-window" in r["window"] and "fused softmax" in r["fused"], r
+    assert "frozen" in r["frozen"] and "inference" in r["inference"] and "FSDP" in r["fsdp"], r
+
+
 def test_sub_batches_refuse_rows_they_cannot_cut(pool4):
     """Too few rows per rank for the sub-batches (or for the chunks of each sub-batch) is an
     error naming the flag when training; without gradients (inference, decode) the block runs

@@ -27,7 +27,7 @@ def add_mlp_args(parser: argparse.ArgumentParser, layer: bool = False):
     parser.add_argument("--overlap-tp-rs", dest="rs", choices=("ring", "a2a"), default=d.rs)
     parser.add_argument("--overlap-tp-bidirectional", dest="bidirectional", action="store_true")
     parser.add_argument("--sub-batches", type=int, default=d.sub_batches, metavar="N",
-                        help="also run per-op overlap with each MLP block cut into N sub-batches "
+                        help="also run per-op overlap with each attention and MLP block cut into N sub-batches "
                         "(--overlap-tp-sub-batches N), in the same rounds")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
     parser.add_argument("--no-progress", action="store_true")

@@ -54,8 +54,9 @@ def resolve_auto(tp, args, notice):
             best, stock = picked
             given = f" ({', '.join(f'`{g}`' for g in explicit)} kept)" if explicit else ""
             if best.strategy.name == "megatron":
+                unused = [f"`{g}`" for g in explicit] + (["`tp.sub_batches`"] if tp.sub_batches > 1 else [])
                 notice("`tp.mode` auto: the cost model predicts stock Megatron fastest here; running stock"
-                       + (f" ({', '.join(f'`{g}`' for g in explicit)} unused)" if explicit else ""))
+                       + (f" ({', '.join(unused)} unused)" if unused else ""))
                 return tp.replace(mode="off", explicit=frozenset())
             notice(f"`tp.mode` auto: the cost model picks {best.name} ({best.flags}; predicted "
                    f"{stock.step_ms / best.step_ms:.2f}x over stock){given}")
@@ -146,7 +147,7 @@ def _column_linear(inst, original):
         wgrad = WgradOptions(call.gradient_accumulation_fusion, call.grad_output_buffer, call.wgrad_deferral_limit)
         inst.calls["tp.column"] += 1
         sub = inst.sub_batch
-        part = (sub, sub.index) if sub is not None and x is sub.parts[sub.index] else None
+        part = (sub, sub.index) if sub is not None and sub.parts and x is sub.parts[sub.index] else None
         return ColumnParallelSP.apply(x, call.weight, call.bias, wgrad, _comm(inst, "column", group, x, call.weight,
                                                                               x.shape[0], part))
 

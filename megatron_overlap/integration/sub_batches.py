@@ -96,6 +96,8 @@ def _stock_reason(block, args, kwargs):
         return "no tensor-parallel communication with sequence parallelism to overlap"
     if not fc2.skip_bias_add:
         return "its fc2 adds its bias inside"
+    if any(hasattr(m.weight, "__fsdp_param__") for m in (fc1, fc2)):
+        return "Megatron-FSDP writes each weight gradient once (the parts would overwrite each other)"
     return None
 
 
@@ -107,7 +109,7 @@ def _attention_forward(inst, original):
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
-        why = _attention_stock_reason(self, signature.bind(self, hidden_states, *args, **kwargs).arguments)
+        why = _attention_stock_reason(inst, self, signature.bind(self, hidden_states, *args, **kwargs).arguments)
         if why is None:
             size = self.linear_proj.tp_group.size()
             why = check_rows(hidden_states.shape[0], n, inst.config.tp.chunks, size)
@@ -143,17 +145,16 @@ def _core_forward(inst, original):
         proj, total = block.linear_proj, query.shape[0]
         size = proj.tp_group.size()
         sub = SubBatches(proj.tp_group, split_sizes(total // size, n), row=proj)
-        sub.gather_whole_early = True  # the attention's backward runs between proj and QKV
-        mask = attention_mask if attention_mask is not None else _causal_mask(self, kwargs, total, key.shape[0],
-                                                                              query.device)
+        sub.gather_whole_early = True  # the parts' attention backwards run between the first projection's and QKV
+        mask = attention_mask if attention_mask is not None else _causal_mask(self, total, key.shape[0], query.device)
         outer, inst.sub_batch = inst.sub_batch, sub
         parts, outs, bias = [], [], None
         try:
             first = 0
             for j, rows in enumerate(sub.sizes):
                 sub.index = j
-                index = torch.cat([torch.arange(r * (total // size) + first, r * (total // size) + first + rows)
-                                   for r in range(size)]).to(query.device)
+                index = torch.cat([torch.arange(r * (total // size) + first, r * (total // size) + first + rows,
+                                                device=query.device) for r in range(size)])
                 first += rows
                 rows_mask = mask.index_select(-2, index) if mask is not None and mask.shape[-2] == total else mask
                 context = original(self, query.index_select(0, index), key, value, rows_mask, *args, **kwargs)
@@ -173,12 +174,13 @@ def _core_forward(inst, original):
     return forward
 
 
-def _causal_mask(core, kwargs, sq: int, sk: int, device):
+def _causal_mask(core, sq: int, sk: int, device):
     """The mask Megatron's softmax builds itself for a causal block without one (it assumes the
-    whole square), given explicitly for the query rows of one part; None when there is none."""
+    whole square), given explicitly for the query rows of one part; None when there is none.
+    The softmax's own mask type decides, as in Megatron (the forward's argument is unused)."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    kind = kwargs.get("attn_mask_type") or core.attn_mask_type
+    kind = core.scale_mask_softmax.attn_mask_type
     if kind != AttnMaskType.causal:
         return None
     return torch.triu(torch.ones(1, 1, sq, sk, dtype=torch.bool, device=device), diagonal=1)  # True: masked
@@ -194,7 +196,7 @@ def projected(inst, input_):
     return entry[1], entry[2]
 
 
-def _attention_stock_reason(block, bound):
+def _attention_stock_reason(inst, block, bound):
     """Why this attention block runs whole, or None."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -206,13 +208,22 @@ def _attention_stock_reason(block, bound):
     if type(getattr(block, "linear_qkv", None)) is not ColumnParallelLinear or \
             type(getattr(block, "linear_proj", None)) is not RowParallelLinear or not isinstance(core, DotProductAttention):
         return "its modules are not Megatron's local ones"
-    if getattr(core, ATTRIBUTE, None) is not None or getattr(config, "context_parallel_size", 1) > 1:
-        return "context parallelism runs its own attention"
+    if getattr(core, ATTRIBUTE, None) is not None or getattr(config, "context_parallel_size", 1) > 1 or \
+            inst.config.hdp.enabled:
+        return "context parallelism (or HDP) runs its own attention"
+    softmax = getattr(core, "scale_mask_softmax", None)
+    if softmax is None or softmax.window_size is not None:
+        return "sliding-window attention builds its mask for the last queries of the square"
+    if softmax.scaled_masked_softmax_fusion and softmax.input_in_float16:
+        return "the fused softmax kernels assume the whole square of queries and keys"
     group = block.linear_proj.tp_group
     if group is None or group.size() == 1 or not block.linear_proj.sequence_parallel:
         return "no tensor-parallel communication with sequence parallelism to overlap"
     if not block.linear_proj.skip_bias_add:
         return "its linear_proj adds its bias inside"
+    if not block.linear_proj.weight.requires_grad or getattr(block.linear_proj, "gtp_remat_size", 1) > 1 or \
+            hasattr(block.linear_proj.weight, "__fsdp_param__"):
+        return "its linear_proj is frozen, GTP-sharded or an FSDP parameter"
     if block.training and config.attention_dropout > 0:
         return "attention dropout would draw its random numbers in another order"
     if getattr(block, "checkpoint_core_attention", False) or getattr(config, "attention_output_gate", False) or \

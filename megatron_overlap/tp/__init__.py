@@ -33,14 +33,14 @@ def check_chunks(value) -> int:
 
 
 def check_sub_batches(value, mode: str) -> int:
-    """The rule for ``tp.sub_batches``: a whole number >= 1 (1: the block runs whole), more
-    than 1 only with a backend whose GEMMs can be cut (not ``fused``)."""
+    """The rule for ``tp.sub_batches``: a whole number >= 1 (1: blocks run whole), more than 1
+    only with a backend whose GEMMs can be cut (not ``fused``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise OverlapConfigError(
-            "tp.sub_batches", f"must be a whole number >= 1 (1: each MLP block runs whole), got {value!r}")
+            "tp.sub_batches", f"must be a whole number >= 1 (1: each block runs whole), got {value!r}")
     if value > 1 and mode == "fused":
         raise OverlapConfigError(
-            "tp.sub_batches", "cuts the MLP GEMMs into sub-batches, and `tp.mode` fused runs each GEMM whole in one "
+            "tp.sub_batches", "cuts the blocks' GEMMs into sub-batches, and `tp.mode` fused runs each GEMM whole in one "
             "Triton kernel whose tiles wait on the chunks; use `tp.mode` p2p or symm-mem with sub-batches")
     return value
 

@@ -230,6 +230,8 @@ class RowParallelSP(torch.autograd.Function):
         if comm.sub is None:
             return comm.backend.matmul_reduce_scatter(input, weight.t(), comm.group, comm.plan).finish()
         sub, j = comm.sub
+        if sub.gather_whole_early and ctx.prefetch_slot is not None:
+            sub.slot = ctx.prefetch_slot  # any part's backward may start it (the first to run does)
         sub.prefetch("x", j + 1)  # the next sub-batch's input travels while this one's GEMM runs
         sub.defer("out", j, comm.backend.matmul_reduce_scatter(input, weight.t(), comm.group, comm.plan))
         size = dist.get_world_size(comm.group)  # waited after the last sub-batch (sub_batch.Join)
@@ -256,8 +258,10 @@ class RowParallelSP(torch.autograd.Function):
                                                               keep_gathered=True, after_own=run_held)
         if comm.sub is not None:  # the grad-output of the chain autograd runs next travels from here
             comm.sub[0].prefetch("dy", comm.sub[1] - 1)
-        if slot is not None:  # all of it where a cut core attention's backward follows (no link use of its own)
-            slot.start() if comm.sub is not None and comm.sub[0].gather_whole_early else slot.start_early()
+        if comm.sub is not None and comm.sub[0].gather_whole_early and comm.sub[0].slot is not None:
+            comm.sub[0].slot.start()  # whole, at the first part: the parts' attention backwards move nothing
+        elif slot is not None:
+            slot.start_early()
         grad_2d, input_2d = as_2d(gathered, input)
         grad_weight = _wgrad(weight, grad_2d, input_2d, wgrad, input, comm)
         return grad_input, grad_weight, None, None

@@ -11,9 +11,10 @@ Forward, sub-batch j (rows are independent in every op of the block):
                               last hop is waited only after the last sub-batch (``Join``)
 
 Backward mirrors it. Autograd runs the sub-batches' chains last one first: the chain that runs
-first gathers its grad-output with the ring, every later one finds it gathered (posted when the
-chain before it reached fc1's backward), and fc1's reduce-scatter of each chain is waited only
-once every chain has run (``Split``'s backward).
+first gathers its grad-output with the ring, every later one finds it gathered (posted by the
+chain before it right after its fc2 dgrad), and fc1's reduce-scatter of each chain is waited
+only once every chain has run (``Split``'s backward). The attention block (``integration/
+sub_batches.py``) cuts its core attention and projection the same way.
 
 Numerics: every forward row and every input-gradient row is computed by the same GEMMs on
 the same rows as stock (bit-identical on the backends here). The weight gradients are summed
@@ -41,7 +42,7 @@ def split_sizes(rows: int, n: int) -> List[int]:
 
 
 class SubBatches:
-    """The state of one MLP call cut into sub-batches: the parts, the gathers posted ahead and the
+    """The state of one block call cut into sub-batches: the parts, the gathers posted ahead and the
     reduce-scatters waited behind. The patched linears find it on the installation while the
     block runs (forward) and in their autograd context (backward)."""
 
@@ -51,6 +52,7 @@ class SubBatches:
         # the Column input re-gather the Row backward starts early: all of it when what runs in between
         # has no transfers of its own (a core attention's backward), else the plan's fraction
         self.gather_whole_early = False
+        self.slot = None  # that Column's re-gather (linear.GatherSlot), claimed by part 0's Row forward
         self.index = 0  # the sub-batch the forward is running
         self.parts: Tuple[torch.Tensor, ...] = ()
         self.grads: Tuple[torch.Tensor, ...] = ()

@@ -10,8 +10,8 @@ is one collective posted while the part before it computes (forward: at that par
 backward: after its Row dgrad), consumed by one whole GEMM; the reduce-scatters' last adds wait
 until every part has run. Backward: the parts in reverse order (autograd runs the last-built
 chain first); each MLP part's fc2 starts its fc1's wgrad-input re-gather, and the projection of
-the part that runs last starts the QKV input's, whole (attention's backward moves nothing of its
-own). A part is the op on T / N tokens: the smaller GEMMs' lower efficiency is ``gemm_ms``'s.
+the part that runs first starts the QKV input's, whole (the parts' attention backwards move
+nothing of their own). A part is the op on T / N tokens: the smaller GEMMs' lower efficiency is ``gemm_ms``'s.
 Not modelled: per-part launch or Python overhead; ``symm-mem`` parts finish their
 reduce-scatters in place (only ``p2p`` defers them).
 """
@@ -126,7 +126,7 @@ def _part_backward(g, part, kind, block, column, j, n, ready, prefetch, state):
         if not isinstance(op, Linear):
             r = other_bwd(g, part, op, r)
         elif op.kind == "row":
-            last = kind == "attention" and j == 0  # starts the whole QKV-input re-gather
+            last = kind == "attention" and j == n - 1  # the first part to run starts the whole QKV re-gather
             r, handle = _row_backward(g, part, op, r, state, column if kind == "mlp" or last else None,
                                       float(n) if last else part.strategy.prefetch_fraction, j)
             if last and handle is not None:
@@ -142,16 +142,18 @@ def _row_backward(g, part, op, ready, state, next_column, fraction, j):
     re-gather of ``next_column``'s input and the wgrad, in the code's order."""
     R, T, d = part.tp, part.tokens, part.d
     dgrad_of = lambda m: part.gemm(m, op.k / R, op.n)  # noqa: E731
-    if part.strategy.name != "p2p":
+    if state["ahead"] is None and part.strategy.name != "p2p":  # symm-mem's own op for the first part
         early = dataclasses.replace(part, strategy=dataclasses.replace(part.strategy, prefetch_fraction=fraction))
-        return linear_bwd(g, early, op, ready, next_column=next_column)
+        r, handle = linear_bwd(g, early, op, ready, next_column=next_column)
+        state["ahead"] = _gather(g, part, f"{op.name} bwd dy", T * op.n, r) if j > 0 else None
+        return r, handle
     if state["ahead"] is None:
         r = [_ring_gather_consume(g, part, f"{op.name} bwd dgrad", ready, op.n * d, dgrad_of, part.pieces())[0]]
     else:
         r = [g.compute(f"{op.name} bwd dgrad", dgrad_of(T), [state["ahead"], *ready], contended=True)]
     state["ahead"] = _gather(g, part, f"{op.name} bwd dy", T * op.n, r) if j > 0 else None
     handle = None
-    if next_column is not None and fraction > 0:
+    if next_column is not None and fraction > 0 and part.strategy.name == "p2p":  # symm-mem: beside dgrad, as stock
         handle = _gather(g, part, f"{next_column.name} bwd x early", T * fraction * next_column.k, r)
     g.compute(f"{op.name} bwd wgrad", part.gemm(op.n, op.k / R, T), r, contended=True)
     return r, handle
