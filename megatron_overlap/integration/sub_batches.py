@@ -45,13 +45,7 @@ def _forward(inst, original):
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
-        why = _stock_reason(self, args, kwargs)
-        if why is None:
-            why = check_rows(hidden_states.shape[0], n, inst.config.tp.chunks, self.linear_fc2.tp_group.size())
-            if why is not None and torch.is_grad_enabled():
-                raise OverlapConfigError("tp.sub_batches", why)
-        if why is not None:
-            inst.notice_once(f"sub-batches-stock:{why}", f"`tp.sub_batches` {n}: this MLP block runs whole ({why})")
+        if not _cut(inst, "this MLP block", _stock_reason(self, args, kwargs), hidden_states, self.linear_fc2):
             return original(self, hidden_states, *args, **kwargs)
         sub = SubBatches(self.linear_fc2.tp_group, split_sizes(hidden_states.shape[0], n), row=self.linear_fc2)
         sub.parts = Split.apply(hidden_states, sub)
@@ -68,6 +62,19 @@ def _forward(inst, original):
         return Join.apply(sub, *outs), bias
 
     return forward
+
+
+def _cut(inst, what: str, why, hidden_states, row) -> bool:
+    """Whether a block is cut: not when ``why`` (a reason it cannot be) or its rows are too few,
+    which is an error when training and a notice (the block runs whole) without gradients."""
+    n = inst.config.tp.sub_batches
+    if why is None:
+        why = check_rows(hidden_states.shape[0], n, inst.config.tp.chunks, row.tp_group.size())
+        if why is not None and torch.is_grad_enabled():
+            raise OverlapConfigError("tp.sub_batches", why)
+    if why is not None:
+        inst.notice_once(f"sub-batches-whole:{what}:{why}", f"`tp.sub_batches` {n}: {what} runs whole ({why})")
+    return why is None
 
 
 def check_rows(rows: int, n: int, chunks: int, tp_size: int):
@@ -105,18 +112,11 @@ def _stock_reason(block, args, kwargs):
 def _attention_forward(inst, original):
     """``Attention.forward``: marks the block whose core attention and projection are cut."""
     signature = inspect.signature(original)
-    n = inst.config.tp.sub_batches
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
         why = _attention_stock_reason(inst, self, signature.bind(self, hidden_states, *args, **kwargs).arguments)
-        if why is None:
-            size = self.linear_proj.tp_group.size()
-            why = check_rows(hidden_states.shape[0], n, inst.config.tp.chunks, size)
-            if why is not None and torch.is_grad_enabled():
-                raise OverlapConfigError("tp.sub_batches", why)
-        if why is not None:
-            inst.notice_once(f"sub-batches-attention:{why}", f"`tp.sub_batches` {n}: attention runs whole ({why})")
+        if not _cut(inst, "attention", why, hidden_states, self.linear_proj):
             return original(self, hidden_states, *args, **kwargs)
         outer, inst.attention_block = inst.attention_block, self
         try:

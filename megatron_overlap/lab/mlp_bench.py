@@ -110,9 +110,8 @@ class MLPBenchRanks:
         flags = ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(cfg.chunks), "--overlap-tp-rs", cfg.rs]
         if cfg.bidirectional:
             flags.append("--overlap-tp-bidirectional")
-        self.overlap_args = megatron_overlap.overlap_parser().parse_args(flags)
-        self.args = {"overlap": self.overlap_args, "sub": megatron_overlap.overlap_parser().parse_args(
-            flags + ["--overlap-tp-sub-batches", str(cfg.sub_batches)])}
+        parse = megatron_overlap.overlap_parser().parse_args
+        self.args = {"overlap": parse(flags), "sub": parse(flags + ["--overlap-tp-sub-batches", str(cfg.sub_batches)])}
 
         # Bytes per step, counted on a free link; compute from a few replays. Same link for all.
         with EmulatedLink(LinkSpec(bandwidth_GBps=1e6, latency_us=0.0)) as probe:
