@@ -29,6 +29,16 @@ def _chunk_count(text: str) -> int:
         raise argparse.ArgumentTypeError(exc.reason) from None
 
 
+def _sub_batch_count(text: str):
+    """``--overlap-tp-sub-batches``: a count or ``auto`` (checked by the config layer with the mode)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or auto, got {text!r}") from None
+
+
 # None defaults on the flags that depend on another: they let the config tell "given while
 # that other flag is off" (a conflict) from "not given".
 _FLAGS = (  # (flag, config field, argparse keywords)
@@ -48,11 +58,12 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         help="Reduce-scatter after a GEMM as a ring of partial sums (ring, default for p2p) or as all-to-all "
         "plus a local reduce (a2a, the only one of --overlap-tp fused).")),
     ("--overlap-tp-sub-batches", "tp.sub_batches", dict(
-        type=int, default=None, metavar="N",
+        type=_sub_batch_count, default=None, metavar="N|auto",
         help="Cut each attention and MLP block's rows into N sub-batches run one after another, so one "
         "sub-batch's all-gather / reduce-scatter travels while another's attention or GEMMs compute (Domino-style "
-        "workload partitioning; 2 or 3 are the usual choices; default 1: whole). Megatron's local spec with "
-        "sequence parallelism; not with --overlap-tp fused.")),
+        "workload partitioning; 2 or 3 are the usual choices; default 1: whole). auto: the cost model chooses "
+        "N in 1-3 at start on a GPU it knows, else 1. Megatron's local spec with sequence parallelism; not with "
+        "--overlap-tp fused.")),
     ("--overlap-tp-bidirectional", "tp.bidirectional", dict(
         action="store_true", default=None,
         help="Split each chunk in two halves travelling both ways round the ring.")),

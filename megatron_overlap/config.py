@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from .args import flag_for
 from .context import MEGATRON_PP_FLAGS, ModelContext  # noqa: F401  (re-exported: its home was here)
@@ -59,8 +59,9 @@ class TPConfig(_Section):
     plan_file: Optional[str] = None
     """Decompositions to load."""
 
-    sub_batches: int = 1
-    """Sub-batches each attention and MLP block's rows are cut into (``tp/sub_batch.py``); 1: whole."""
+    sub_batches: Union[int, str] = 1
+    """Sub-batches each attention and MLP block's rows are cut into (``tp/sub_batch.py``); 1: whole;
+    ``auto``: resolved once, at install, from the cost model (1 where it has no answer)."""
 
     explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
     """Names of the fields above the user set (conflict messages only)."""
@@ -106,7 +107,7 @@ class TPConfig(_Section):
         return "a2a" if self.mode == "fused" else self.rs
 
     def flags(self) -> list:
-        sub = [flag_for("tp.sub_batches"), str(self.sub_batches)] if self.sub_batches > 1 else []
+        sub = [flag_for("tp.sub_batches"), str(self.sub_batches)] if self.sub_batches != 1 else []
         if self.mode in ("off", "symm-mem"):
             return [] if self.mode == "off" else sub
         out = sub + [flag_for("tp.chunks"), str(self.chunks), flag_for("tp.rs"), self.rs_algo]

@@ -134,6 +134,47 @@ def test_install_resolves_auto_once_from_the_cost_model(monkeypatch, caplog, sym
     assert megatron_overlap.install(args) is inst  # Megatron parses twice: same installation
 
 
+def test_sub_batches_auto_is_resolved_at_install(monkeypatch, caplog):
+    """``--overlap-tp-sub-batches auto``: on a GPU the cost model knows, the count it predicts
+    fastest for the backend asked (``auto`` too); with no answer (this CPU) the blocks run whole,
+    said in a notice, never cut on a guess."""
+    import logging
+
+    import megatron_overlap
+    from megatron_overlap.integration import linears
+    from megatron_overlap.tune.auto import predicted_choice
+
+    monkeypatch.setattr(linears, "_cuda_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(linears, "_symm_mem_usable", lambda: False)
+    from megatron_overlap.tp.backends import symm_mem
+
+    monkeypatch.setattr(symm_mem, "availability", lambda *a, **k: (True, "test"))  # built, never run, here
+    picked = {}
+    for mode, backend, symm in (("p2p", "p2p", False), ("auto", None, True)):
+        monkeypatch.setattr(linears, "_symm_mem_usable", lambda: symm)
+        args = _llama70b_args("--overlap-tp-sub-batches", "auto")
+        args.overlap_tp, args.micro_batch_size = mode, 1 if backend else 4
+        best, _ = predicted_choice(args, "NVIDIA H100 80GB HBM3", symm, sub_batches="auto", backend=backend)
+        with caplog.at_level(logging.WARNING, logger="megatron_overlap"):
+            inst = megatron_overlap.install(args)
+        assert inst.requested.tp.sub_batches == "auto" and inst.config.tp.mode == best.strategy.name
+        assert inst.config.tp.sub_batches == best.strategy.sub_batches, best.name
+        picked[mode] = (best.strategy.name, best.strategy.sub_batches)
+        megatron_overlap.uninstall()
+    # the planner's figures for these two (tests/test_cost_models.py): p2p cut in 3 at micro-batch 1,
+    # symm-mem cut in 2 at micro-batch 4
+    assert picked == {"p2p": ("p2p", 3), "auto": ("symm-mem", 2)}, picked
+    assert any("--overlap-tp-sub-batches auto: the cost model picks 3 for p2p" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(linears, "_cuda_device_name", lambda: None)
+    monkeypatch.setattr(symm_mem, "availability", lambda *a, **k: (False, "no CUDA here"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megatron_overlap"):
+        inst = megatron_overlap.install(_llama70b_args("--overlap-tp-sub-batches", "auto"))
+    assert inst.config.tp.sub_batches == 1 and inst.config.tp.mode == "p2p"
+    assert any("--overlap-tp-sub-batches auto: the cost model knows no GPU here" in r.getMessage() for r in caplog.records)
+    megatron_overlap.uninstall()
+
+
 def test_auto_honours_an_explicit_decomposition(monkeypatch, caplog):
     """``auto`` with ``--overlap-tp-chunks`` / ``-rs`` given: the user's values are kept and only
     a backend that takes them (p2p), or stock, is chosen; never symm-mem, never an error about a

@@ -169,6 +169,8 @@ def parser_error(capsys, *flags) -> str:
         (["--overlap-tp", "p2p", "--overlap-tp-sub-batches", "0"], {}, "--overlap-tp-sub-batches", "whole number >= 1"),
         (["--overlap-tp", "fused", "--overlap-tp-sub-batches", "2"], {}, "--overlap-tp-sub-batches",
          "runs each GEMM whole"),
+        (["--overlap-tp", "fused", "--overlap-tp-sub-batches", "auto"], {}, "--overlap-tp-sub-batches",
+         "runs each GEMM whole"),
         (["--overlap-trace-iters", "3"], {}, "--overlap-trace-iters", "without --overlap-trace"),
         (["--overlap-autotune"], {}, "--overlap-autotune", "only applies to TP overlap"),
         (["--overlap-tp", "p2p", "--overlap-autotune", "--overlap-plan", "p.json"], {}, "--overlap-plan", "pass one of them"),
@@ -229,6 +231,7 @@ def parser_error(capsys, *flags) -> str:
         "sub-batches-without-overlap",
         "zero-sub-batches",
         "sub-batches-with-fused",
+        "auto-sub-batches-with-fused",
         "trace-iters-without-trace",
         "autotune-without-overlap",
         "autotune-and-plan",
@@ -279,6 +282,8 @@ def test_parser_rejects_bad_values_naming_the_flag(capsys):
     assert "argument --overlap-tp-chunks: expected a whole number" in parser_error(capsys, "--overlap-tp-chunks", "x")
     assert "argument --overlap-tp: invalid choice" in parser_error(capsys, "--overlap-tp", "fast")
     assert "argument --overlap-tp-rs: invalid choice" in parser_error(capsys, "--overlap-tp-rs", "tree")
+    assert "argument --overlap-tp-sub-batches: expected a whole number >= 1 or auto, got 'two'" in parser_error(
+        capsys, "--overlap-tp-sub-batches", "two")
 
 
 def test_config_object_validates_on_its_own():

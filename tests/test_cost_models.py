@@ -301,3 +301,12 @@ def test_sub_batches_move_the_same_bytes_and_hide_more_of_a_layer():
                               num_query_groups=8, group_query_attention=True, swiglu=True, padded_vocab_size=128256)
     best, _stock = predicted_choice(args, "NVIDIA H100 80GB HBM3", True)
     assert best.strategy.sub_batches == 1 and best.strategy.name == "symm-mem", best.name
+    # `--overlap-tp-sub-batches auto` asks for the cut: the plan's own first choice
+    best, _stock = predicted_choice(args, "NVIDIA H100 80GB HBM3", True, sub_batches="auto")
+    assert (best.strategy.name, best.strategy.sub_batches) == ("symm-mem", 2), best.name
+    # with the backend fixed (`--overlap-tp p2p`), only the count is chosen: the fastest p2p count
+    best, stock = predicted_choice(args, "NVIDIA H100 80GB HBM3", True, sub_batches="auto", backend="p2p")
+    p2p = {r.strategy.sub_batches: r.step_ms for r in plan.ranked if r.strategy.name == "p2p" and
+           r.strategy.chunks == 0 and r.strategy.rs == "ring"}
+    assert best.strategy.name == "p2p" and best.step_ms == min(p2p.values()) == p2p[best.strategy.sub_batches]
+    assert stock.strategy.name == "megatron"

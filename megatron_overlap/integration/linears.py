@@ -32,40 +32,57 @@ def _symm_mem_usable() -> bool:
 
 
 def resolve_auto(tp, args, notice):
-    """``--overlap-tp auto``, resolved once, at install, into a concrete TP section.
+    """``--overlap-tp auto`` and ``--overlap-tp-sub-batches auto``, resolved once, at install,
+    into a concrete TP section.
 
     With Megatron's full ``args`` on a GPU the cost model knows: the strategy it predicts
     fastest (stock included); elsewhere ``symm-mem`` where it runs, else ``p2p``. An explicit
     decomposition (``--overlap-tp-chunks`` / ``-rs`` / ``-bidirectional``) is honoured: ``auto``
     then chooses only between stock and the backend that takes it, ``p2p``, with the user's
     values. ``--overlap-autotune`` / ``--overlap-plan`` leave the choice to their measurements
-    (``p2p``, or ``symm-mem`` where it runs)."""
+    (``p2p``, or ``symm-mem`` where it runs). Sub-batches ``auto`` adds each candidate cut into 2
+    and 3 (with a concrete mode, only the count is chosen); without the cost model's answer the
+    blocks run whole (1), said in a notice: the cut changes the weight gradients' last bits."""
     from ..tp.plan import EXPLICIT_SHAPE, resolve_backend
     from ..tune.auto import predicted_choice
 
-    if tp.mode != "auto":
+    sub = tp.sub_batches
+    if tp.mode != "auto" and sub != "auto":
         return tp
     explicit = tp.given(*EXPLICIT_SHAPE)
+    size = args.tensor_model_parallel_size if args is not None else 1
+    fixed = (tp.chunks // size, tp.rs) if explicit else None
+    picked = None
     if args is not None and not (tp.autotune or tp.plan_file):
-        size = args.tensor_model_parallel_size
-        fixed = (tp.chunks // size, tp.rs) if explicit else None
-        picked = predicted_choice(args, _cuda_device_name(), _symm_mem_usable() and not explicit, fixed)
-        if picked is not None:
-            best, stock = picked
-            given = f" ({', '.join(f'`{g}`' for g in explicit)} kept)" if explicit else ""
-            if best.strategy.name == "megatron":
-                unused = [f"`{g}`" for g in explicit] + (["`tp.sub_batches`"] if tp.sub_batches > 1 else [])
-                notice("`tp.mode` auto: the cost model predicts stock Megatron fastest here; running stock"
-                       + (f" ({', '.join(unused)} unused)" if unused else ""))
-                return tp.replace(mode="off", explicit=frozenset())
-            notice(f"`tp.mode` auto: the cost model picks {best.name} ({best.flags}; predicted "
-                   f"{stock.step_ms / best.step_ms:.2f}x over stock){given}")
-            if best.strategy.name == "symm-mem":
-                return tp.replace(mode="symm-mem", explicit=frozenset())
-            if explicit:
-                return tp.replace(mode="p2p")
-            return tp.replace(mode="p2p", chunks=best.strategy.chunks * size, rs=best.strategy.rs)
-    return tp.replace(mode=resolve_backend(tp))
+        backend = None if tp.mode == "auto" else tp.mode
+        picked = predicted_choice(args, _cuda_device_name(), _symm_mem_usable() and not explicit, fixed, sub, backend)
+    if picked is None:
+        if sub == "auto":
+            why = "`tp.autotune` / `tp.plan_file` measure the decompositions, not the cut" if (
+                tp.autotune or tp.plan_file) else "the cost model knows no GPU here or lacks the model's dimensions"
+            notice(f"`tp.sub_batches` auto: {why}; the blocks run whole (pass a count to cut them)")
+            tp = tp.replace(sub_batches=1)
+        return tp.replace(mode=resolve_backend(tp)) if tp.mode == "auto" else tp
+    best, stock = picked
+    n = best.strategy.sub_batches if sub == "auto" else sub
+    if tp.mode != "auto":
+        ratio = stock.step_ms / best.step_ms
+        notice(f"`tp.sub_batches` auto: the cost model picks {n} for {tp.mode} (predicted {ratio:.2f}x over stock"
+               + ("; it expects stock faster here: `tp.mode` auto would run stock)" if ratio < 1 else ")"))
+        return tp.replace(sub_batches=n)
+    given = f" ({', '.join(f'`{g}`' for g in explicit)} kept)" if explicit else ""
+    if best.strategy.name == "megatron":
+        unused = [f"`{g}`" for g in explicit] + (["`tp.sub_batches`"] if sub not in (1, "auto") else [])
+        notice("`tp.mode` auto: the cost model predicts stock Megatron fastest here; running stock"
+               + (f" ({', '.join(unused)} unused)" if unused else ""))
+        return tp.replace(mode="off", sub_batches=1, explicit=frozenset())
+    notice(f"`tp.mode` auto: the cost model picks {best.name} ({best.flags}; predicted "
+           f"{stock.step_ms / best.step_ms:.2f}x over stock){given}")
+    if best.strategy.name == "symm-mem":
+        return tp.replace(mode="symm-mem", sub_batches=n, explicit=frozenset())
+    if explicit:
+        return tp.replace(mode="p2p", sub_batches=n)
+    return tp.replace(mode="p2p", chunks=best.strategy.chunks * size, rs=best.strategy.rs, sub_batches=n)
 
 
 def patch(inst) -> None:

@@ -20,21 +20,46 @@ def hardware_for_device(name: Optional[str]) -> Optional[str]:
     return None
 
 
-def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p2p: Optional[tuple] = None):
-    """What ``--overlap-tp auto`` runs when nothing was measured: the cost model simulates the
-    model in Megatron's ``args`` on this GPU for stock, ``p2p`` (every chunk count and
-    reduce-scatter the planner knows) and, where it runs, ``symm-mem``, and returns the fastest
-    (a ``tune.simulate.StrategyResult`` and the stock one), or None without a known GPU or the
-    model's dimensions. ``fixed_p2p = (chunks per rank, rs)``: the user fixed the decomposition,
-    so the only candidates are stock and ``p2p`` with it. ``fused`` is left out: measured slower
-    than stock (``measured.py``)."""
+def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p2p: Optional[tuple] = None,
+                     sub_batches=1, backend: Optional[str] = None):
+    """What ``--overlap-tp auto`` (or ``--overlap-tp-sub-batches auto``) runs when nothing was
+    measured: the cost model simulates the model in Megatron's ``args`` on this GPU for stock,
+    ``p2p`` (every chunk count and reduce-scatter the planner knows) and, where it runs,
+    ``symm-mem``, and returns the fastest (a ``tune.simulate.StrategyResult`` and the stock one),
+    or None without a known GPU or the model's dimensions. ``fixed_p2p = (chunks per rank, rs)``:
+    the user fixed the decomposition, so the only candidates are stock and ``p2p`` with it.
+    ``sub_batches``: the user's count, kept (candidates whole: the cut is planned at 1), or
+    ``auto``: each candidate also cut into 2 and 3. ``backend``: the user fixed ``tp.mode``, so
+    only the sub-batch count is chosen (stock is simulated, never picked). ``fused`` is left out:
+    measured slower than stock (``measured.py``)."""
     spec = hardware_for_device(device)
     needed = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_layers", "seq_length")
     if spec is None or any(getattr(args, n, None) is None for n in needed):
         return None
     from .hardware import get_hardware
-    from .models import ModelSpec, RunSpec
     from .planner import candidates as plan_candidates, make_plan
+    from .strategies import Strategy
+
+    model, run = _model_and_run(args)
+    counts = (1, 2, 3) if sub_batches == "auto" else (1,)
+    if backend is not None:
+        chunks, rs = fixed_p2p or (0, "ring")
+        allowed = [Strategy("megatron")] + [Strategy(backend, **(dict(chunks=chunks, rs=rs) if backend == "p2p" else {}),
+                                                     sub_batches=n) for n in counts]
+    elif fixed_p2p is not None:
+        allowed = [Strategy("megatron")] + [Strategy("p2p", chunks=fixed_p2p[0], rs=fixed_p2p[1], sub_batches=n)
+                                            for n in counts]
+    else:
+        allowed = [s for s in plan_candidates(run) if s.sub_batches in counts and (
+            s.name == "megatron" or s.name == "p2p" or (s.name == "symm-mem" and symm_mem_usable))]
+    plan = make_plan(model, run, get_hardware(spec), allowed)
+    picks = [r for r in plan.ranked if backend is None or r.strategy.name == backend]
+    return (picks[0], plan.stock) if picks else None
+
+
+def _model_and_run(args):
+    """The cost model's ModelSpec and RunSpec for Megatron's ``args``."""
+    from .models import ModelSpec, RunSpec
 
     heads = args.num_attention_heads
     kv = args.num_query_groups if getattr(args, "group_query_attention", False) and args.num_query_groups else heads
@@ -45,13 +70,4 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
     run = RunSpec(tp=args.tensor_model_parallel_size, cp=getattr(args, "context_parallel_size", 1) or 1,
                   pp=getattr(args, "pipeline_model_parallel_size", 1) or 1, seq=args.seq_length,
                   micro_batch=getattr(args, "micro_batch_size", 1) or 1)
-    if fixed_p2p is not None:
-        from .strategies import Strategy
-
-        allowed = [Strategy("megatron"), Strategy("p2p", chunks=fixed_p2p[0], rs=fixed_p2p[1])]
-    else:
-        # sub-batches are the user's choice (`tp.sub_batches`): auto picks the backend and chunks only
-        allowed = [s for s in plan_candidates(run) if s.sub_batches == 1 and (
-            s.name == "megatron" or s.name == "p2p" or (s.name == "symm-mem" and symm_mem_usable))]
-    plan = make_plan(model, run, get_hardware(spec), allowed)
-    return (plan.best, plan.stock) if plan.ranked else None
+    return model, run
