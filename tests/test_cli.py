@@ -221,6 +221,15 @@ def test_bench_layer_smoke():
     assert result["max_rel_diff_vs_stock"] <= 1e-6 and result["sub_max_rel_diff_vs_stock"] <= 1e-6
     assert result["overlap"]["bytes_per_step"] == result["sub"]["bytes_per_step"] == result["stock"]["bytes_per_step"] > 0
     assert result["limit_ms"] <= result["phase_limit_ms"] and "transformer layer" in out.stdout
+    # forward and backward apart: the phases add up to the step, and the attention's sync bound is
+    # the plain forward bound raised by the first query part's attention (half of it at 2 parts)
+    ph = result["phases"]
+    assert ph["forward_bound_ms"] + ph["backward_bound_ms"] == pytest.approx(result["phase_limit_ms"], rel=0.2)
+    assert 0 < ph["compute_attention_ms"] < ph["compute_forward_ms"]
+    whole, cut = ph["overlap"]["forward_sync_bound_ms"], ph["sub"]["forward_sync_bound_ms"]
+    assert ph["forward_bound_ms"] <= cut <= whole and "sync bd" in out.stdout
+    for mode in ("stock", "overlap", "sub"):
+        assert 0 <= ph[mode]["forward_blocked_ms"] <= ph[mode]["forward_ms"], ph[mode]
 
 
 def test_plan_cli_prints_json_and_the_published_table():

@@ -48,7 +48,6 @@ import argparse
 import json
 import math
 import random
-import functools
 import re
 import sys
 import time

@@ -124,6 +124,7 @@ def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
         return max(forward, share * transfer) + max(compute - forward, (1 - share) * transfer)
 
     result["phase_limit_ms"] = statistics.median(1e3 * phase_limit(per_rank) for per_rank in rounds)
+    result["phases"] = phases(cfg, rounds)
     for mode in cfg.modes:
         result[mode]["forward_ms"] = statistics.median(
             1e3 * max(r[mode]["forward_s"] for r in per_rank) for per_rank in rounds)
@@ -148,6 +149,58 @@ def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
                 for per_rank in rounds)
         result["sub_max_rel_diff_vs_stock"] = max(c["parity_by_mode"]["sub"] for c in closing)
     return result
+
+
+def phases(cfg: MLPBench, rounds: list) -> dict:
+    """Forward and backward apart, per mode (medians over rounds, slowest rank; blocked: mean over
+    ranks), each beside its own bound, max(its compute, its transfer). For a layer, the forward's
+    bound with attention's synchronisation too: every forward transfer after the QKV all-gather
+    carries the attention's output, so the link idles at least while the first part of the query
+    rows (all of them when whole) computes its attention: forward transfer + attention / parts."""
+    med = lambda values: 1e3 * statistics.median(values)  # noqa: E731
+    out = {"compute_forward_ms": med(max(r["compute_forward_s"] for r in pr) for pr in rounds),
+           "compute_backward_ms": med(max(r["compute_s"] - r["compute_forward_s"] for r in pr) for pr in rounds),
+           "compute_attention_ms": med(max(r.get("compute_attention_s", 0.0) for r in pr) for pr in rounds)}
+    share = rounds[0][0]["forward_bytes_share"]
+    transfer = [statistics.mean(r["stock"]["busy_s"] for r in pr) for pr in rounds]
+    out["transfer_forward_ms"], out["transfer_backward_ms"] = med(t * share for t in transfer), med(
+        t * (1 - share) for t in transfer)
+    out["forward_bound_ms"] = max(out["compute_forward_ms"], out["transfer_forward_ms"])
+    out["backward_bound_ms"] = max(out["compute_backward_ms"], out["transfer_backward_ms"])
+    for mode in cfg.modes:
+        parts = cfg.sub_batches if mode == "sub" else 1
+        out[mode] = {
+            "forward_ms": med(max(r[mode]["forward_s"] for r in pr) for pr in rounds),
+            "backward_ms": med(max(r[mode]["wall_s"] - r[mode]["forward_s"] for r in pr) for pr in rounds),
+            "forward_blocked_ms": med(statistics.mean(r[mode]["forward_blocked_s"] for r in pr) for pr in rounds),
+            "backward_blocked_ms": med(statistics.mean(r[mode]["blocked_s"] - r[mode]["forward_blocked_s"] for r in pr)
+                                       for pr in rounds),
+            "forward_sync_bound_ms": max(out["compute_forward_ms"],
+                                         out["transfer_forward_ms"] + out["compute_attention_ms"] / parts)}
+    return out
+
+
+def format_phases(result: dict) -> list:
+    ph, cfg = result["phases"], result["config"]
+    layer = cfg.get("block", "mlp") == "layer"
+    lines = ["", f"per phase: forward bound {ph['forward_bound_ms']:.1f} ms (compute {ph['compute_forward_ms']:.1f}, "
+             f"transfer {ph['transfer_forward_ms']:.1f}), backward bound {ph['backward_bound_ms']:.1f} ms (compute "
+             f"{ph['compute_backward_ms']:.1f}, transfer {ph['transfer_backward_ms']:.1f})"
+             + (f"; replay's attention forward {ph['compute_attention_ms']:.1f} ms" if layer else ""),
+             f"{'':18}{'forward':>9}{'blocked':>9}" + (f"{'sync bd':>9}" if layer else "")
+             + f"{'backward':>10}{'blocked':>9}{'unblocked':>10}"]
+    for mode in (m for m in LABELS if m in ph):
+        r = ph[mode]
+        label = LABELS[mode] if mode != "sub" else f"+ {cfg['sub_batches']} sub-batches"
+        lines.append(f"{label:18}{r['forward_ms']:>9.1f}{r['forward_blocked_ms']:>9.1f}"
+                     + (f"{r['forward_sync_bound_ms']:>9.1f}" if layer else "")
+                     + f"{r['backward_ms']:>10.1f}{r['backward_blocked_ms']:>9.1f}"
+                     f"{r['backward_ms'] - r['backward_blocked_ms']:>10.1f}")
+    lines.append("(sync bd: the forward's bound with attention's synchronisation, forward transfer + the first query "
+                 "part's attention; unblocked: backward time not waiting on the link, against the replay's backward "
+                 "compute)" if layer else "(unblocked: backward time not waiting on the link, against the replay's "
+                 "backward compute)")
+    return lines
 
 
 def format_table(result: dict) -> str:
@@ -188,6 +241,8 @@ def format_table(result: dict) -> str:
             f"{result['sub_speedup_vs_overlap']:.2f}x over per-op overlap, {result['sub_speedup_vs_stock']:.2f}x over "
             f"stock; max rel. diff of grads vs stock {result['sub_max_rel_diff_vs_stock']:.1e} (weight gradients "
             "summed per sub-batch)")
+    if "phases" in result:
+        lines += format_phases(result)
     if result.get("timeline_png"):
         lines.append(f"timeline: {result['timeline_png']}")
     return "\n".join(lines)

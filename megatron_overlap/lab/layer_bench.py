@@ -53,7 +53,7 @@ class LayerReplay:
         self.x = torch.randn(cfg.seq, cfg.micro_batch, cfg.hidden, requires_grad=True)
         self.dy = torch.randn(cfg.seq, cfg.micro_batch, cfg.hidden)
         self.mask = causal_mask(cfg.seq)
-        self.forward_s = 0.0
+        self.forward_s = self.attention_s = 0.0  # of the last call: its forward, its core attention's forward
 
     def _attention(self, qkv):
         s, b = qkv.shape[:2]
@@ -72,7 +72,10 @@ class LayerReplay:
         t0 = time.perf_counter()
         norms = F.layer_norm(self.x[:rows], (h,)).sum()  # the norms run on this rank's shard
         qkv = torch.matmul(self.x, p["qkv"].t()) + p["qkv_b"]
-        mid = self.x + torch.matmul(self._attention(qkv), p["proj"].t())
+        t1 = time.perf_counter()
+        context = self._attention(qkv)
+        self.attention_s = time.perf_counter() - t1
+        mid = self.x + torch.matmul(context, p["proj"].t())
         norms = norms + F.layer_norm(mid[:rows], (h,)).sum()
         # the norms' outputs join the graph with weight 0 so their backward runs too
         y = mid + torch.matmul(F.gelu(torch.matmul(mid, p["fc1"].t()) + p["fc1_b"]), p["fc2"].t()) + 0.0 * norms

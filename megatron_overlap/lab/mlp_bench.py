@@ -155,6 +155,7 @@ class MLPBenchRanks:
             # recalibrate on the warm-up rounds' compute: the first replays run on a colder machine
             self.spec = self.link.spec = self._spec(self.warm_compute)
         record = {"compute_s": self.replay(), "compute_forward_s": self.replay.forward_s,
+                  "compute_attention_s": getattr(self.replay, "attention_s", 0.0),
                   "forward_bytes_share": self.forward_bytes / self.nbytes}
         if index < self.cfg.warmup:
             self.warm_compute.append(record["compute_s"])
@@ -172,14 +173,15 @@ class MLPBenchRanks:
             self.link.reset()
             t0 = time.perf_counter()
             marks = []
-            self._step(after_forward=lambda: marks.append(time.perf_counter()))
+            self._step(after_forward=lambda: marks.append((time.perf_counter(), self.link.stats.blocked_s)))
             t1 = time.perf_counter()
             stats = self.link.reset()
             megatron_overlap.uninstall()
             if index == 0 and mode in modes:
                 self.grads[mode] = [self.x.grad.clone()] + [p.grad.clone() for p in self.mlp.parameters()
                                                              if p.grad is not None]
-            record[mode] = {"wall_s": t1 - t0, "forward_s": marks[0] - t0, "blocked_s": stats.blocked_s,
+            record[mode] = {"wall_s": t1 - t0, "forward_s": marks[0][0] - t0, "forward_blocked_s": marks[0][1],
+                            "blocked_s": stats.blocked_s,
                             "busy_s": stats.busy_s, "bytes": stats.total_bytes}
             if self.link.record_spans:
                 record[mode]["trace"] = {"step": (t0, t1), "link": [(x.start, x.done) for x in stats.spans],

@@ -106,9 +106,9 @@ def _check_transfers(schedule: Schedule, s: int) -> None:
             waited.add(c)
         else:
             if a.op == F and s > 0 and Comm(RECV, ACT, a.mb, s - 1) not in waited:
-                _fail(schedule, s, i, f"runs before its activation's receive was waited for")
+                _fail(schedule, s, i, "runs before its activation's receive was waited for")
             if a.op == B and s < schedule.stages - 1 and Comm(RECV, GRAD, a.mb, s + 1) not in waited:
-                _fail(schedule, s, i, f"runs before its gradient's receive was waited for")
+                _fail(schedule, s, i, "runs before its gradient's receive was waited for")
             done.add((a.op, a.mb))
     need = _needed(schedule, s)
     if posted != need:
