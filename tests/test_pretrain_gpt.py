@@ -40,6 +40,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4
 TP2 = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
 NO_DROPOUT = ("--attention-dropout", "0", "--hidden-dropout", "0")
 PP2 = ("--pipeline-model-parallel-size", "2", "--global-batch-size", "8")  # 4 micro-batches
+CPU_INIT = ("--use-cpu-initialization",)  # the same initial weights at every TP size
 
 
 def _port() -> int:
@@ -175,10 +176,24 @@ def _packed(*flags) -> tuple:
 def test_hdp_trains_packed_documents_like_data_parallelism():
     """--hdp through pretrain_gpt.py: each sample cut into its documents, the documents longer
     than one rank's 64 tokens on rings of two ranks, the losses of plain data parallelism."""
-    stock = train("stock", 2, _packed())
-    ours = train("plugin", 2, _packed("--hdp", "--hdp-max-tokens-per-rank", "64"))
+    stock = train("stock", 2, _packed(*CPU_INIT))
+    ours = train("plugin", 2, _packed("--hdp", "--hdp-max-tokens-per-rank", "64", *CPU_INIT))
     calls = ours["calls"]
     assert calls.get("hdp.step") == 2 * 5 and calls.get("hdp.ring", 0) > 0, calls  # long documents on rings
     assert calls.get("hdp.attention", 0) > 0 and calls.get("hdp.microbatch", 0) > 2 * 5 * 2, calls
+    for a, b in zip(ours["losses"], stock["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (ours["losses"], stock["losses"])
+
+
+def test_hdp_with_tensor_parallelism_trains_like_data_parallelism():
+    """--hdp at TP=2 x DP=2 on 4 ranks (each HDP rank a TP group with the TP-overlap linears,
+    rings between the groups of one TP rank): TP rank 0 reads the documents and hands them to its
+    group, every TP rank plans the same step, and the losses are plain DP=2's at TP=1 within 1e-5
+    (CPU initialisation: the same weights at every TP size)."""
+    stock = train("stock", 2, _packed(*CPU_INIT))  # the run of the test above
+    ours = train("plugin", 4, TP2 + _packed("--hdp", "--hdp-max-tokens-per-rank", "64", "--overlap-tp", "p2p",
+                                            *CPU_INIT))
+    calls = ours["calls"]
+    assert calls.get("hdp.step") == 4 * 5 and calls.get("hdp.ring", 0) > 0 and calls.get("tp.column", 0) > 0, calls
     for a, b in zip(ours["losses"], stock["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b), (ours["losses"], stock["losses"])

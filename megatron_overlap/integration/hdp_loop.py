@@ -18,7 +18,15 @@ name in ``megatron.training.training``. There it is wrapped so that each call of
    (``MicroBatch.context``), so the script's ``get_batch`` and loss function (NaN checks, its
    ``(loss sum, tokens, report)``) run as they are.
 
-Checked at the first call (a loop driving the runtime itself needs none of it): TP 1, documents
+With TP > 1 the HDP group is the data-parallel ranks of one TP rank, and each HDP "rank" a TP
+group: Megatron gives the data iterator to TP rank 0 only, so it reads the documents and hands
+them to its TP group (one object broadcast per step); every TP rank then plans the same step from
+the same documents. The script's ``get_batch`` would broadcast fixed ``[micro-batch, seq-length]``
+tensors over TP; during an HDP step ``get_batch_on_this_tp_rank`` (where the script bound it,
+and its module) instead gives every TP rank its own copy of the planned micro-batch, with the
+keys and devices Megatron's would have.
+
+Checked at the first call (a loop driving the runtime itself needs none of it): documents
 marked (``--reset-attention-mask --reset-position-ids``), ``--calculate-per-token-loss``.
 Megatron's per-token-loss contract does the rest: with ``--calculate-per-token-loss`` the
 schedule does not divide by the micro-batch count, DDP sums the gradients over ranks, and
@@ -31,11 +39,15 @@ data parallelism over the same documents computes it. A schedule handed an
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 from typing import List
 
 from ..errors import OverlapConfigError
 
 _NAME = "get_forward_backward_func"
+_TP_BATCH = "get_batch_on_this_tp_rank"
+_TP_BATCH_HOMES = ("megatron.training.utils", "megatron.core.utils")  # core_v0.16 / 0.19
 
 
 def patch(inst) -> None:
@@ -51,11 +63,54 @@ def patch(inst) -> None:
         return loop.wrap(original(*args, **kwargs))
 
     inst.set_attr(training, _NAME, get_forward_backward_func)
+    _patch_tp_batch(inst, loop)
     if inst.context.position_embedding == "rope":
         inst.notice_once("hdp-rope", "`hdp.enabled` rotates each document from position 0 (RoPE at the true "
                          "position, as Megatron's packed THD path does); stock Megatron with "
                          "`megatron.reset_position_ids` keeps RoPE's positions running across a sample's documents, "
                          "so its losses differ. `megatron.position_embedding_type` learned_absolute matches it")
+
+
+def _patch_tp_batch(inst, loop) -> None:
+    """``get_batch_on_this_tp_rank`` in its module and wherever the running script bound it."""
+    main = sys.modules.get("__main__")
+    for home in _TP_BATCH_HOMES:
+        try:
+            module = importlib.import_module(home)
+        except ImportError:
+            continue
+        original = module.__dict__.get(_TP_BATCH)
+        if original is None:
+            continue
+        replacement = _tp_batch(loop, original, getattr(main, "BATCH_KEYS", None))
+        inst.set_attr(module, _TP_BATCH, replacement)
+        if main is not None and getattr(main, _TP_BATCH, None) is original:
+            inst.set_attr(main, _TP_BATCH, replacement)
+
+
+def _tp_batch(loop, original, batch_keys):
+    """During an HDP step each TP rank reads its own copy of the micro-batch (TP rank 0's, read by
+    the script itself on 0.19, as it is); otherwise Megatron's broadcast."""
+
+    @functools.wraps(original)
+    def get_batch_on_this_tp_rank(first, *args, **kwargs):
+        from megatron.core import parallel_state
+
+        if loop.active is None or parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return original(first, *args, **kwargs)
+        if isinstance(first, _Batches):  # core_v0.16: every TP rank passes the iterator; its keys, in its order
+            data = {k: v.cuda(non_blocking=True) for k, v in next(first).items()}
+            return {"tokens": data["tokens"], "labels": data["labels"], "loss_mask": data["loss_mask"],
+                    "attention_mask": None, "position_ids": data["position_ids"], "cu_seqlens": None,
+                    "max_seqlen": None, "local_cp_size": None}
+        if isinstance(first, dict) and first.get("tokens") is not None:  # 0.19, TP rank 0: read and moved
+            return first
+        data = next(loop.active)  # 0.19, TP rank > 0: the script read nothing
+        batch = dict.fromkeys(batch_keys or (), None)
+        batch.update({k: data[k].cuda(non_blocking=True) for k in _Batches.KEYS})
+        return batch
+
+    return get_batch_on_this_tp_rank
 
 
 class _Batches:
@@ -89,6 +144,7 @@ class _Loop:
     def __init__(self, inst):
         self.inst = inst
         self.runtime = None
+        self.active = None  # the step's _Batches while its schedule runs
 
     def wrap(self, schedule):
         from ..hdp.runtime import HdpDataIterator
@@ -102,8 +158,12 @@ class _Loop:
             step = HdpDataIterator(iter([self._documents(data_iterator, num_microbatches)]), self._runtime())
             count = step.start_step()
             self._count(step.current)
-            return schedule(forward_step_func=_in_ring(forward_step_func), data_iterator=_Batches(step), model=model,
-                            num_microbatches=count, **kwargs)
+            self.active = _Batches(step)
+            try:
+                return schedule(forward_step_func=_in_ring(forward_step_func), data_iterator=self.active,
+                                model=model, num_microbatches=count, **kwargs)
+            finally:
+                self.active = None
 
         return forward_backward
 
@@ -116,15 +176,28 @@ class _Loop:
 
     @staticmethod
     def _documents(data_iterator, m: int) -> List:
+        """This rank's documents of the step: read by TP rank 0 (the one Megatron gives the data
+        iterator), handed to the rest of its TP group."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
         from ..hdp.samples import split_documents
 
-        if data_iterator is None or isinstance(data_iterator, list):
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        reader = tp == 1 or parallel_state.get_tensor_model_parallel_rank() == 0
+        if reader and (data_iterator is None or isinstance(data_iterator, list)):
             raise OverlapConfigError("hdp.enabled", "`hdp.enabled` through the training loop needs one data iterator "
-                                     "on every data-parallel rank (`megatron.tensor_model_parallel_size` and "
+                                     "on every data-parallel rank (TP rank 0 of each TP group; "
                                      "`megatron.pipeline_model_parallel_size` 1, no virtual pipeline)")
         docs = []
-        for _ in range(m):
-            docs.extend(split_documents(next(data_iterator)))
+        if reader:
+            for _ in range(m):
+                docs.extend(split_documents(next(data_iterator)))
+        if tp > 1:
+            box = [docs]
+            dist.broadcast_object_list(box, src=parallel_state.get_tensor_model_parallel_src_rank(),
+                                       group=parallel_state.get_tensor_model_parallel_group())
+            docs = box[0]
         return docs
 
     def _count(self, step) -> None:
@@ -151,18 +224,9 @@ def _in_ring(forward_step_func):
 def _check_script_path(inst, model) -> None:
     """What the script path needs, checked at its first schedule call (every rank takes the same
     branch: these are settings, not data). A loop that drives the runtime itself needs none of it."""
-    from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
 
     ctx = inst.context
-    tp = ctx.tp_size or (parallel_state.get_tensor_model_parallel_world_size()
-                         if parallel_state.model_parallel_is_initialized() else 1)
-    if tp > 1:
-        raise OverlapConfigError(
-            "megatron.tensor_model_parallel_size", "`hdp.enabled` through Megatron-LM's training loop runs with TP 1 "
-            "so far: pretrain_gpt.py's get_batch broadcasts fixed [micro-batch, seq-length] tensors over the TP "
-            "group, and HDP's micro-batches vary in length. With TP > 1 drive the runtime from your own loop "
-            "(megatron_overlap.integration.hdp.make_runtime pads the rows for TP)")
     if ctx.documents is False:
         raise OverlapConfigError(
             "megatron.reset_attention_mask",
