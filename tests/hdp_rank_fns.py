@@ -4,6 +4,7 @@ as "what its data iterator loaded", and computes the single-process reference it
 
 from __future__ import annotations
 
+import functools
 import itertools
 import traceback
 
@@ -285,5 +286,92 @@ def runtime_errors(seed: int) -> dict:
         out["yarn"] = _error(lambda: hdp.check_model(Fake()))
         out["no_local_attention"] = _error(lambda: hdp.check_model(torch.nn.Linear(2, 2)))
         return out
+    finally:
+        _uninstall()
+
+
+# PP = 2 x HDP = 2 on the 4 ranks: per pipeline (both its stages load the same samples), C = 40,
+# so 70 and 61 run on rings of the two pipelines' stages, the rest whole; --hdp-mode pp.
+PP_LENGTHS = ((70, 9, 17, 40, 3), (5, 30, 23, 61, 12))
+PP_CAPACITY = 40
+
+
+def _pipeline_step(model, data, forward_step_func, count: int, rows: int) -> float:
+    """Megatron's pipeline schedule (1F1B, variable sequence lengths) over ``count`` micro-batches;
+    the summed gradients of the data-parallel group divided by the global token count; the loss
+    sum of this pipeline's last stage."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    out = get_forward_backward_func()(forward_step_func=forward_step_func, data_iterator=data, model=[model],
+                                      num_microbatches=count, seq_length=rows, micro_batch_size=1)
+    loss = sum(float(d["lm loss"][0]) for d in out) if parallel_state.is_pipeline_last_stage() else 0.0
+    return loss
+
+
+def exactness_pp(seed: int) -> dict:
+    """HDP under Megatron's own pipeline schedule (``--hdp-mode pp``): each pipeline stage's HDP
+    group is the data-parallel ranks of that stage, rings run between the pipelines at the same
+    stage and micro-batch index, and every rank runs the same number of slots. Against plain
+    DP x PP on the same documents: every document its own micro-batch through the same
+    schedule (causal mask, positions 0..L-1)."""
+    import megatron_overlap
+    from megatron.core import parallel_state
+
+    from megatron_overlap.hdp import runtime as hdp
+    from megatron_overlap.integration.hdp import make_runtime
+    from megatron_overlap.lab import tiny_gpt
+
+    tiny_gpt.init_parallel(1, pp=2, seed=seed)
+    megatron_overlap.uninstall()
+    installation = megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(
+        ["--hdp", "--hdp-max-tokens-per-rank", str(PP_CAPACITY), "--hdp-mode", "pp"]))
+    try:
+        torch.manual_seed(seed)  # the same stage weights on both pipelines
+        spec = tiny_gpt.TinyGPT(seq=max(itertools.chain.from_iterable(PP_LENGTHS)) + 2, vocab=VOCAB)
+        model = tiny_gpt.build(spec, 1, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                               calculate_per_token_loss=True)
+        model.config.variable_seq_lengths = True  # after __post_init__ (it asks MoE dispatchers about it)
+        dp_group, dp = parallel_state.get_data_parallel_group(), parallel_state.get_data_parallel_rank()
+        samples = global_samples(seed, lengths=PP_LENGTHS)
+        tokens = sum(float(s.loss_mask.sum()) for rank in samples for s in rank)
+
+        def finish(loss_sum: float):
+            grads = _grads(model)
+            flat = torch.cat([g.reshape(-1) for g in grads.values()])
+            dist.all_reduce(flat, group=dp_group)
+            offset = 0
+            for n, g in grads.items():
+                grads[n] = flat[offset:offset + g.numel()].view_as(g) / tokens
+                offset += g.numel()
+            t = torch.tensor([loss_sum], dtype=torch.float64)
+            dist.all_reduce(t, group=dp_group)
+            dist.all_reduce(t, group=parallel_state.get_pipeline_model_parallel_group())
+            _zero(model)
+            return float(t) / tokens, grads
+
+        def plain_step(data_iterator, model):
+            s = next(data_iterator)
+            L = len(s)
+            mask = torch.triu(torch.ones(1, 1, L, L, dtype=torch.bool), diagonal=1)
+            out = model(s.tokens[None], torch.arange(L)[None], mask, labels=s.labels[None])
+            return out, functools.partial(hdp.per_token_loss, s.loss_mask[None])
+
+        mine = samples[dp]
+        ref_loss, ref = finish(_pipeline_step(model, iter(mine), plain_step, len(mine), max(map(len, mine))))
+
+        rt = make_runtime(installation.config.hdp)  # Megatron's DP group: this stage of both pipelines
+        it = hdp.HdpDataIterator(iter([mine]), rt)
+        count = it.start_step()
+        step = it.current
+        step.plan.validate()
+        rows = max(mb.layout.rows for mb in step.microbatches)
+        loss, got = finish(_pipeline_step(model, it, hdp.forward_step, count, rows))
+        return dict(rank=dist.get_rank(), stage=parallel_state.get_pipeline_model_parallel_rank(), loss=loss,
+                    ref_loss=ref_loss, grad_rel=_rel(got, ref), grad_total_rel=_total_rel(got, ref), count=count,
+                    group=dist.get_process_group_ranks(rt.group), my_rings=[len(mb.ring) for mb in step.microbatches],
+                    signature=repr(step.plan.microbatches))
+    except Exception:
+        return dict(error=traceback.format_exc())
     finally:
         _uninstall()

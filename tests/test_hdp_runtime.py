@@ -10,7 +10,6 @@ import torch
 
 from megatron_overlap.errors import OverlapConfigError
 from megatron_overlap.hdp import schedule_hdp
-from megatron_overlap.hdp.baselines import schedule_static
 from megatron_overlap.hdp.layout import row_layout
 from megatron_overlap.hdp.runtime import HdpRuntime
 from megatron_overlap.hdp.samples import Sample, as_samples, split_documents
@@ -79,6 +78,24 @@ def test_tensor_parallel_inside_hdp_is_exact(pool4):
         assert r["tp_calls"] > 0 and r["row_multiple"] == 2 and all(rows % 2 == 0 for rows in r["rows"])
         assert 2 in r["my_rings"] and 1 in r["my_rings"], r["my_rings"]  # rings between TP groups, and whole ones
     assert len({r["signature"] for r in results}) == 1  # one plan on all four ranks
+
+
+def test_pipeline_parallel_hdp_is_exact(pool4):
+    """PP = 2 x HDP = 2, --hdp-mode pp, under Megatron's own 1F1B schedule (variable sequence
+    lengths): each stage's HDP group is its data-parallel ranks, rings run between the two
+    pipelines at the same stage and index, every rank runs the same number of slots; the loss and
+    every gradient of plain DP x PP on the same documents."""
+    results = pool4.run(hdp_rank_fns.exactness_pp, random.randrange(1 << 20))
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert abs(r["loss"] - r["ref_loss"]) <= REL_TOL * abs(r["ref_loss"]), r
+        worst = max(r["grad_rel"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= REL_TOL and r["grad_total_rel"] <= REL_TOL, worst
+        assert r["group"] == ([0, 1] if r["stage"] == 0 else [2, 3]), r  # one stage of both pipelines
+        assert 2 in r["my_rings"] and 1 in r["my_rings"], r["my_rings"]
+    assert len({r["count"] for r in results}) == 1  # one micro-batch count on every stage of every pipeline
+    assert len({r["signature"] for r in results}) == 1  # one plan on all four ranks
+    assert len({r["loss"] for r in results}) == 1
 
 
 def test_one_rank_ring_runs_unpadded_packed_documents(pool4):

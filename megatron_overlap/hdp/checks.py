@@ -15,14 +15,11 @@ def check_hdp_model(hdp, ctx) -> None:
             "megatron.context_parallel_size",
             "`hdp.enabled` merges data and context parallelism into one group and picks each sequence's ring "
             f"itself; set `megatron.context_parallel_size` 1 (got {ctx.cp_size})")
-    if ctx.pp_size is not None and ctx.pp_size > 1:
-        hint = ("`hdp.mode` pp orders micro-batches for pipelines in the scheduler and `bench hdp`, but the "
-                "runtime does not drive Megatron's pipeline schedules yet") if hdp.mode == "pp" else (
-                "`hdp.mode` dp balances whole steps and would let pipeline stages drift apart; `hdp.mode` pp is "
-                "the pipeline mode (scheduler and `bench hdp` only so far)")
+    if ctx.pp_size is not None and ctx.pp_size > 1 and hdp.mode != "pp":
         raise OverlapConfigError(
-            "hdp.enabled", f"with `megatron.pipeline_model_parallel_size` {ctx.pp_size} is not supported: {hint}. "
-            "Use `megatron.pipeline_model_parallel_size` 1 with `hdp.enabled`")
+            "hdp.enabled", f"with `megatron.pipeline_model_parallel_size` {ctx.pp_size} needs `hdp.mode` pp: `hdp.mode` "
+            "dp balances whole steps, giving ranks different micro-batch counts, and a pipeline runs one count on "
+            "every stage; `hdp.mode` pp gives every rank the same number of slots, similar lengths at each index")
     if ctx.transformer_impl == "transformer_engine":
         raise OverlapConfigError(
             "hdp.enabled", "runs its rings through Megatron's local attention; pass `megatron.transformer_impl` local")

@@ -219,10 +219,13 @@ class HdpRuntime:
         plan = self.plan(lens, home=[rank for rank, _ in owners])
         if any(p for ph in plan.phases for p in ph):
             raise ValueError("the HDP runtime runs plans of one phase (no barriers between groups of micro-batches)")
-        layouts = [row_layout(mb, k, self.rank, self.row_multiple) for k, mb in enumerate(plan.microbatches[self.rank])
-                   if mb]
+        slots = plan.microbatches[self.rank]
+        layouts = [row_layout(mb, k, self.rank, self.row_multiple) for k, mb in enumerate(slots) if mb]
         data, moved = exchange_rows(plan, samples, owners, self.group)
         mbs = [self._microbatch(layout, rows) for layout, rows in zip(layouts, data)]
+        if self.mode == "pp":  # a pipeline runs a fixed count: every slot, the empty ones as masked micro-batches
+            work = iter(mbs)
+            mbs = [next(work) if mb else self.idle_microbatch() for mb in slots]
         return HdpStep(plan, self.rank, self.group, self.adapter, mbs, lens, weights, owners, moved)
 
     def microbatch(self, layout: RowLayout, data: torch.Tensor) -> "MicroBatch":

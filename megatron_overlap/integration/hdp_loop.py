@@ -147,6 +147,8 @@ class _Loop:
         self.active = None  # the step's _Batches while its schedule runs
 
     def wrap(self, schedule):
+        from megatron.core.utils import get_model_config
+
         from ..hdp.runtime import HdpDataIterator
 
         @functools.wraps(schedule)
@@ -159,11 +161,15 @@ class _Loop:
             count = step.start_step()
             self._count(step.current)
             self.active = _Batches(step)
+            config = get_model_config(model[0] if isinstance(model, list) else model)
+            variable = config.variable_seq_lengths  # stages exchange each micro-batch's shape (they vary)
+            config.variable_seq_lengths = True
             try:
                 return schedule(forward_step_func=_in_ring(forward_step_func), data_iterator=self.active,
                                 model=model, num_microbatches=count, **kwargs)
             finally:
                 self.active = None
+                config.variable_seq_lengths = variable
 
         return forward_backward
 
@@ -177,27 +183,29 @@ class _Loop:
     @staticmethod
     def _documents(data_iterator, m: int) -> List:
         """This rank's documents of the step: read by TP rank 0 (the one Megatron gives the data
-        iterator), handed to the rest of its TP group."""
-        import torch.distributed as dist
+        iterator), handed to the rest of its TP group (and, past 2 stages, from the first pipeline stage
+        to the middle ones, which Megatron gives none)."""
         from megatron.core import parallel_state
 
         from ..hdp.samples import split_documents
 
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        reader = tp == 1 or parallel_state.get_tensor_model_parallel_rank() == 0
+        tp, pp = (parallel_state.get_tensor_model_parallel_world_size(),
+                  parallel_state.get_pipeline_model_parallel_world_size())
+        middle = not (parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage())
+        reader = (tp == 1 or parallel_state.get_tensor_model_parallel_rank() == 0) and not middle
         if reader and (data_iterator is None or isinstance(data_iterator, list)):
             raise OverlapConfigError("hdp.enabled", "`hdp.enabled` through the training loop needs one data iterator "
-                                     "on every data-parallel rank (TP rank 0 of each TP group; "
-                                     "`megatron.pipeline_model_parallel_size` 1, no virtual pipeline)")
+                                     "on TP rank 0 of every first and last pipeline stage (no virtual pipeline)")
         docs = []
         if reader:
             for _ in range(m):
                 docs.extend(split_documents(next(data_iterator)))
+        if pp > 2:  # middle stages load nothing: the first stage's documents (the last stage's are the same)
+            docs = _broadcast(docs, parallel_state.get_pipeline_model_parallel_first_rank(),
+                              parallel_state.get_pipeline_model_parallel_group())
         if tp > 1:
-            box = [docs]
-            dist.broadcast_object_list(box, src=parallel_state.get_tensor_model_parallel_src_rank(),
-                                       group=parallel_state.get_tensor_model_parallel_group())
-            docs = box[0]
+            docs = _broadcast(docs, parallel_state.get_tensor_model_parallel_src_rank(),
+                              parallel_state.get_tensor_model_parallel_group())
         return docs
 
     def _count(self, step) -> None:
@@ -206,6 +214,14 @@ class _Loop:
         calls["hdp.microbatch"] += step.num_microbatches
         calls["hdp.ring"] += sum(len(mb.ring) > 1 for mb in step.microbatches)
         calls["hdp.moved_tokens"] += step.moved_tokens
+
+
+def _broadcast(obj, src: int, group):
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
 
 
 def _in_ring(forward_step_func):
