@@ -331,6 +331,13 @@ def exactness_pp(seed: int) -> dict:
         spec = tiny_gpt.TinyGPT(seq=max(itertools.chain.from_iterable(PP_LENGTHS)) + 2, vocab=VOCAB)
         model = tiny_gpt.build(spec, 1, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
                                calculate_per_token_loss=True)
+        from megatron_overlap.integration.hdp import check_model
+
+        try:  # fixed shapes between stages: refused, naming what to set
+            check_model(model)
+            fixed_shapes = "accepted"
+        except Exception as exc:  # noqa: BLE001
+            fixed_shapes = f"{type(exc).__name__}: {exc}"
         model.config.variable_seq_lengths = True  # after __post_init__ (it asks MoE dispatchers about it)
         dp_group, dp = parallel_state.get_data_parallel_group(), parallel_state.get_data_parallel_rank()
         samples = global_samples(seed, lengths=PP_LENGTHS)
@@ -370,7 +377,7 @@ def exactness_pp(seed: int) -> dict:
         return dict(rank=dist.get_rank(), stage=parallel_state.get_pipeline_model_parallel_rank(), loss=loss,
                     ref_loss=ref_loss, grad_rel=_rel(got, ref), grad_total_rel=_total_rel(got, ref), count=count,
                     group=dist.get_process_group_ranks(rt.group), my_rings=[len(mb.ring) for mb in step.microbatches],
-                    signature=repr(step.plan.microbatches))
+                    signature=repr(step.plan.microbatches), fixed_shapes=fixed_shapes)
     except Exception:
         return dict(error=traceback.format_exc())
     finally:
