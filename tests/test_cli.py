@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -226,10 +225,11 @@ def test_bench_layer_smoke():
     ph = result["phases"]
     assert ph["forward_bound_ms"] + ph["backward_bound_ms"] == pytest.approx(result["phase_limit_ms"], rel=0.2)
     assert 0 < ph["compute_attention_ms"] < ph["compute_forward_ms"]
-    whole, cut = ph["overlap"]["forward_sync_bound_ms"], ph["sub"]["forward_sync_bound_ms"]
-    assert ph["forward_bound_ms"] <= cut <= whole and "sync bd" in out.stdout
+    assert "sync bd" in out.stdout
     for mode in ("stock", "overlap", "sub"):
         assert 0 <= ph[mode]["forward_blocked_ms"] <= ph[mode]["forward_ms"], ph[mode]
+        # a lower bound (from the replay and stock's bytes) that the run itself never beats
+        assert ph[mode]["forward_ms"] >= 0.9 * ph[mode]["forward_sync_bound_ms"], (mode, ph)
 
 
 def test_plan_cli_prints_json_and_the_published_table():

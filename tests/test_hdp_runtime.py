@@ -93,7 +93,7 @@ def test_pipeline_parallel_hdp_is_exact(pool4):
         assert worst[1] <= REL_TOL and r["grad_total_rel"] <= REL_TOL, worst
         assert r["group"] == ([0, 1] if r["stage"] == 0 else [2, 3]), r  # one stage of both pipelines
         assert 2 in r["my_rings"] and 1 in r["my_rings"], r["my_rings"]
-        assert r["fixed_shapes"].startswith("OverlapConfigError: --hdp-mode: with pipeline parallelism") and \
+        assert r["fixed_shapes"].startswith("OverlapConfigError: --hdp: with pipeline parallelism") and \
             "variable_seq_lengths = True" in r["fixed_shapes"], r["fixed_shapes"]
     assert len({r["count"] for r in results}) == 1  # one micro-batch count on every stage of every pipeline
     assert len({r["signature"] for r in results}) == 1  # one plan on all four ranks
@@ -214,3 +214,36 @@ def test_split_documents_cuts_megatron_rows_where_positions_reset():
         split_documents(dict(tokens=tokens, labels=tokens))
     with pytest.raises(ValueError, match="position_ids \\(2, 8\\) do not match tokens \\(2, 9\\)"):
         split_documents(dict(tokens=tokens, labels=tokens, position_ids=pos[:, :8]))
+
+
+def test_a_stage_that_reads_no_batch_still_moves_to_the_next_micro_batch():
+    """A middle pipeline stage's get_batch returns early without reading: the script-path
+    forward step must still run each micro-batch in its own ring context, not the first one's."""
+    import contextlib
+
+    from megatron_overlap.integration.hdp_loop import _Batches, _in_ring
+
+    entered = []
+
+    class FakeMicroBatch:
+        def __init__(self, k):
+            self.k = k
+            self.adapter = self
+
+        def check(self, model, recompute_allowed):
+            pass
+
+        @contextlib.contextmanager
+        def context(self, model):
+            entered.append(self.k)
+            yield
+
+    batches = _Batches(iter([{"hdp": FakeMicroBatch(k)} for k in range(3)]))
+    step = _in_ring(lambda data_iterator, model: "no batch read")  # a middle stage
+    assert [step(batches, None) for _ in range(3)] == ["no batch read"] * 3
+    assert entered == [0, 1, 2]
+    reads = _in_ring(lambda data_iterator, model: next(data_iterator))  # a stage that reads its batch
+    batches = _Batches(iter([{"hdp": FakeMicroBatch(k), **dict.fromkeys(_Batches.KEYS, k)} for k in range(2)]))
+    entered.clear()
+    assert [step_out["tokens"] for step_out in (reads(batches, None), reads(batches, None))] == [0, 1]
+    assert entered == [0, 1]

@@ -185,6 +185,9 @@ def test_hdp_trains_packed_documents_like_data_parallelism():
         assert abs(a - b) <= 1e-5 * abs(b), (ours["losses"], stock["losses"])
 
 
+@pytest.mark.skipif(not os.environ.get("MEGATRON_OVERLAP_LONG_TESTS"), reason=(
+    "two 4-rank trainings (~1 min on 2 cores) would take the main suite past 15 minutes; scripts/test-compat.sh "
+    "runs it (MEGATRON_OVERLAP_LONG_TESTS=1), and tests/test_hdp_runtime.py covers PP x HDP under Megatron's schedule"))
 def test_hdp_with_pipeline_parallelism_trains_like_data_parallelism():
     """--hdp --hdp-mode pp at PP=2 x DP=2 on 4 ranks under Megatron's own 1F1B: every stage plans
     the same slots, rings run between the two pipelines at the same stage, the stages exchange each

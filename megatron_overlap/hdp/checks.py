@@ -6,10 +6,18 @@ from __future__ import annotations
 from ..errors import OverlapConfigError
 
 
-def check_hdp_model(hdp, ctx) -> None:
-    """``hdp``: the config's HDP section; ``ctx``: a ``config.ModelContext``."""
+def check_hdp_model(hdp, ctx, pp=None) -> None:
+    """``hdp``: the config's HDP section; ``ctx``: a ``config.ModelContext``; ``pp``: its pipeline
+    section (our schedules), if any."""
     if not hdp.enabled:
         return
+    if ctx.pp_size is not None and ctx.pp_size > 1 and pp is not None and pp.enabled:
+        raise OverlapConfigError(
+            "pp.mode", "with `hdp.enabled` the pipeline runs Megatron's own 1F1B schedule (HDP's micro-batches vary "
+            "in length, which our schedules do not take yet); drop `pp.mode`")
+    if ctx.pp_size is not None and ctx.pp_size > 1 and ctx.virtual_pp_size:
+        raise OverlapConfigError(
+            "hdp.enabled", "runs under non-interleaved pipelines only; drop `megatron.virtual_pipeline_model_parallel_size`")
     if ctx.cp_size is not None and ctx.cp_size > 1:
         raise OverlapConfigError(
             "megatron.context_parallel_size",

@@ -13,7 +13,8 @@ WORLD), R = |G| ranks::
                    that loaded them where the step allows.
     3. exchange    rows a rank needs from a sample another rank loaded travel in one
                    ``all_to_all_single`` (``exchange.py``; rows per rank: ``layout.py``).
-    4. micro-batches  per rank, its non-idle micro-batches in plan order (``MicroBatch``): token
+    4. micro-batches  per rank, its non-idle micro-batches in plan order (``MicroBatch``; with
+                   ``mode="pp"`` every slot, the idle ones masked, so a pipeline runs one count): token
                    rows, labels, loss mask, the TRUE position of every row in its sequence, and the
                    ring (ordered group ranks; a ring of one rank, ``(me,)``, for a micro-batch of
                    short sequences held whole) with its THD ``PackedSeqParams``.

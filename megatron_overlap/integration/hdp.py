@@ -146,7 +146,7 @@ def check_model(model, recompute_allowed: bool = True) -> None:
 def _check_config(config, recompute_allowed: bool) -> None:
     if getattr(config, "pipeline_model_parallel_size", 1) > 1 and not getattr(config, "variable_seq_lengths", False):
         raise OverlapConfigError(
-            "hdp.mode", "with pipeline parallelism the stages pass HDP's micro-batches on, and their lengths vary: "
+            "hdp.enabled", "with pipeline parallelism the stages pass HDP's micro-batches on, and their lengths vary: "
             "set the model config's variable_seq_lengths = True (Megatron-LM's training loop gets it for each step)")
     if getattr(config, "context_parallel_size", 1) > 1:
         raise OverlapConfigError("megatron.context_parallel_size", "`hdp.enabled` picks each sequence's ring itself; "

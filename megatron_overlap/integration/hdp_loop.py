@@ -11,7 +11,8 @@ name in ``megatron.training.training``. There it is wrapped so that each call of
    each end-of-document token under ``--reset-position-ids``; packed THD batches carry
    ``cu_seqlens``);
 2. the runtime plans the step over the data-parallel group (``hdp.runtime.HdpDataIterator``):
-   this rank's micro-batch count, which differs between ranks, replaces ``num_microbatches``;
+   this rank's micro-batch count replaces ``num_microbatches`` (it differs between ranks with
+   ``--hdp-mode dp``; with ``pp``, under a pipeline, every rank runs the same slots);
 3. the script's own ``forward_step_func`` runs on each micro-batch, read from an iterator of
    plain batch dicts (tokens, labels, loss mask, true positions; no attention mask: documents
    are kept apart by the ring context), inside the micro-batch's ring context
@@ -48,6 +49,9 @@ from ..errors import OverlapConfigError
 _NAME = "get_forward_backward_func"
 _TP_BATCH = "get_batch_on_this_tp_rank"
 _TP_BATCH_HOMES = ("megatron.training.utils", "megatron.core.utils")  # core_v0.16 / 0.19
+# core_v0.19's pretrain_gpt.BATCH_KEYS, for a script that does not define them
+_BATCH_KEYS_019 = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
+                   "loss_mask", "max_seqlen", "position_ids", "tokens")
 
 
 def patch(inst) -> None:
@@ -72,7 +76,8 @@ def patch(inst) -> None:
 
 
 def _patch_tp_batch(inst, loop) -> None:
-    """``get_batch_on_this_tp_rank`` in its module and wherever the running script bound it."""
+    """``get_batch_on_this_tp_rank`` in its module and in every module that bound it by name (the
+    running script, a module that imported the script's ``get_batch``)."""
     main = sys.modules.get("__main__")
     for home in _TP_BATCH_HOMES:
         try:
@@ -83,9 +88,9 @@ def _patch_tp_batch(inst, loop) -> None:
         if original is None:
             continue
         replacement = _tp_batch(loop, original, getattr(main, "BATCH_KEYS", None))
-        inst.set_attr(module, _TP_BATCH, replacement)
-        if main is not None and getattr(main, _TP_BATCH, None) is original:
-            inst.set_attr(main, _TP_BATCH, replacement)
+        for other in list(sys.modules.values()):
+            if getattr(other, "__dict__", {}).get(_TP_BATCH) is original:
+                inst.set_attr(other, _TP_BATCH, replacement)
 
 
 def _tp_batch(loop, original, batch_keys):
@@ -106,7 +111,7 @@ def _tp_batch(loop, original, batch_keys):
         if isinstance(first, dict) and first.get("tokens") is not None:  # 0.19, TP rank 0: read and moved
             return first
         data = next(loop.active)  # 0.19, TP rank > 0: the script read nothing
-        batch = dict.fromkeys(batch_keys or (), None)
+        batch = dict.fromkeys(batch_keys or _BATCH_KEYS_019, None)
         batch.update({k: data[k].cuda(non_blocking=True) for k in _Batches.KEYS})
         return batch
 
@@ -135,6 +140,11 @@ class _Batches:
         self.peek()
         batch, self._next = self._next, None
         return {k: batch[k] for k in self.KEYS}
+
+    def settle(self) -> None:
+        """After a forward step: the micro-batch it ran is used up even where the script read no
+        batch (a middle pipeline stage's ``get_batch`` returns early)."""
+        self._next = None
 
 
 class _Loop:
@@ -231,8 +241,11 @@ def _in_ring(forward_step_func):
     def forward_step(data_iterator: _Batches, model, *args, **kwargs):
         mb = data_iterator.peek()
         mb.adapter.check(model, recompute_allowed=False)
-        with mb.context(model):
-            return forward_step_func(data_iterator, model, *args, **kwargs)
+        try:
+            with mb.context(model):
+                return forward_step_func(data_iterator, model, *args, **kwargs)
+        finally:
+            data_iterator.settle()
 
     return forward_step
 

@@ -9,6 +9,8 @@
 | ``megatron.training.training.train_step``                       | ``training.py`` (``--overlap-trace``) | Megatron-LM's loop takes a profiler hook |
 | ``transformer.torch_norm.WrappedTorchNorm.__new__``            | ``norms.py`` (no apex: the torch norm under sequence parallelism, its params marked ``sequence_parallel``) | Megatron's torch norm accepts sequence parallelism |
 | ``megatron.training.training.get_forward_backward_func`` (``--hdp``)  | ``hdp_loop.py`` (each schedule call runs as an HDP step: the script's batches cut into documents, planned, its forward step in the ring context) | Megatron-LM's loop takes a pluggable data planner |
+| ``get_batch_on_this_tp_rank`` (core_v0.16 ``megatron.training.utils``, 0.19 ``megatron.core.utils``, and every module that bound it by name, the script's ``__main__`` included; ``--hdp``) | ``hdp_loop.py`` (during an HDP step each TP rank reads its own copy of the planned micro-batch instead of a fixed-shape broadcast) | Megatron-LM's get_batch broadcasts variable shapes |
+| ``transformer.mlp.MLP.forward``, ``transformer.attention.Attention.forward``, ``DotProductAttention.forward`` (``--overlap-tp-sub-batches`` > 1) | ``sub_batches.py`` (the blocks cut into row parts) | Megatron's layers take a sub-batch schedule |
 | ``pipeline_parallel.get_forward_backward_func`` (also in ``pipeline_parallel.schedules`` and ``megatron.training.training``, which bind it by name) | ``schedules.py`` (``--overlap-pp`` -> ``pp``) | Megatron takes a pluggable pipeline schedule |
 
 The linears' function is also patched, without TP overlap, under ``--overlap-pp zb`` at TP = 1 (weight
@@ -173,7 +175,7 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
         return Installation(config, context)
     compat.check_megatron_version()
     check_tp_model(config.tp, context)
-    check_hdp_model(config.hdp, context)
+    check_hdp_model(config.hdp, context, config.pp)
     check_cp_model(config.cp, context)
     check_pp_model(config.pp, config.tp, context)
 

@@ -59,7 +59,8 @@ def resolve_auto(tp, args, notice):
     if picked is None:
         if sub == "auto":
             why = "`tp.autotune` / `tp.plan_file` measure the decompositions, not the cut" if (
-                tp.autotune or tp.plan_file) else "the cost model knows no GPU here or lacks the model's dimensions"
+                tp.autotune or tp.plan_file) else ("the cost model has no answer here (no GPU it knows, the model's "
+                                                   "dimensions missing, or no cut that runs this configuration)")
             notice(f"`tp.sub_batches` auto: {why}; the blocks run whole (pass a count to cut them)")
             tp = tp.replace(sub_batches=1)
         return tp.replace(mode=resolve_backend(tp)) if tp.mode == "auto" else tp
