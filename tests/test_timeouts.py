@@ -117,7 +117,11 @@ def _rank(rank, port, which, results):
 
 
 def test_a_silent_peer_ends_every_path_in_an_error_within_the_timeout():
-    ctx = mp.get_context("spawn")
+    import torch.distributed as dist
+
+    # fork: the children inherit this process's imports (spawn re-imports torch and Megatron in 18
+    # processes at once on 2 cores, ~1 min); spawn where this process holds a process group itself
+    ctx = mp.get_context("spawn" if dist.is_initialized() or not hasattr(os, "fork") else "fork")
     results = ctx.Queue()
     procs = []
     for which in CASES:  # all at once: the ranks mostly sleep, in their waits or in their silence
