@@ -166,12 +166,12 @@ class _Loop:
             if isinstance(data_iterator, HdpDataIterator):
                 return schedule(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                                 num_microbatches=num_microbatches, **kwargs)
-            _check_script_path(self.inst, model)
+            config = get_model_config(model[0] if isinstance(model, list) else model)
+            _check_script_path(self.inst, config)
             step = HdpDataIterator(iter([self._documents(data_iterator, num_microbatches)]), self._runtime())
             count = step.start_step()
             self._count(step.current)
             self.active = _Batches(step)
-            config = get_model_config(model[0] if isinstance(model, list) else model)
             variable = config.variable_seq_lengths  # stages exchange each micro-batch's shape (they vary)
             config.variable_seq_lengths = True
             try:
@@ -250,11 +250,10 @@ def _in_ring(forward_step_func):
     return forward_step
 
 
-def _check_script_path(inst, model) -> None:
-    """What the script path needs, checked at its first schedule call (every rank takes the same
-    branch: these are settings, not data). A loop that drives the runtime itself needs none of it."""
-    from megatron.core.utils import get_model_config
-
+def _check_script_path(inst, config) -> None:
+    """What the script path needs (``config``: the model's), checked at its first schedule call
+    (every rank takes the same branch: these are settings, not data). A loop that drives the
+    runtime itself needs none of it."""
     ctx = inst.context
     if ctx.documents is False:
         raise OverlapConfigError(
@@ -263,7 +262,6 @@ def _check_script_path(inst, model) -> None:
             "documents only with `megatron.reset_attention_mask` and `megatron.reset_position_ids` (without them a "
             "sample is one sequence of `megatron.seq_length` tokens, attended across documents, and HDP has nothing "
             "to balance). Add both")
-    config = get_model_config(model[0] if isinstance(model, list) else model)
     if not getattr(config, "calculate_per_token_loss", False):
         raise OverlapConfigError(
             "megatron.calculate_per_token_loss", "`hdp.enabled` gives ranks different numbers of tokens: the model "

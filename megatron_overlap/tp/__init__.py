@@ -32,14 +32,11 @@ def check_chunks(value) -> int:
     return value
 
 
-SUB_BATCHES_AUTO = "auto"  # `tp.sub_batches` chosen by the cost model at install (integration/linears.py)
-
-
 def check_sub_batches(value, mode: str):
     """The rule for ``tp.sub_batches``: a whole number >= 1 (1: blocks run whole) or ``auto``
     (the cost model chooses at install), more than 1 only with a backend whose GEMMs can be cut
     (not ``fused``)."""
-    if value != SUB_BATCHES_AUTO and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise OverlapConfigError(
             "tp.sub_batches", f"must be a whole number >= 1 (1: each block runs whole) or auto, got {value!r}")
     if value != 1 and mode == "fused":

@@ -42,13 +42,11 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
 
     model, run = _model_and_run(args)
     counts = (1, 2, 3) if sub_batches == "auto" else (1,)
-    if backend is not None:
+    if backend is not None or fixed_p2p is not None:  # one backend, its decomposition fixed: only the count varies
+        name = backend or "p2p"
         chunks, rs = fixed_p2p or (0, "ring")
-        allowed = [Strategy("megatron")] + [Strategy(backend, **(dict(chunks=chunks, rs=rs) if backend == "p2p" else {}),
-                                                     sub_batches=n) for n in counts]
-    elif fixed_p2p is not None:
-        allowed = [Strategy("megatron")] + [Strategy("p2p", chunks=fixed_p2p[0], rs=fixed_p2p[1], sub_batches=n)
-                                            for n in counts]
+        shape = dict(chunks=chunks, rs=rs) if name == "p2p" else {}
+        allowed = [Strategy("megatron")] + [Strategy(name, sub_batches=n, **shape) for n in counts]
     else:
         allowed = [s for s in plan_candidates(run) if s.sub_batches in counts and (
             s.name == "megatron" or s.name == "p2p" or (s.name == "symm-mem" and symm_mem_usable))]
