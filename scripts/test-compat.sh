@@ -30,7 +30,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 export MEGATRON_LM_DIR=${MEGATRON_LM_DIR:-$PWD/../shared/third_party/megatron-lm/core_v0.19.0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_VISIBLE_DEVICES=""
-export MEGATRON_OVERLAP_LONG_TESTS=${MEGATRON_OVERLAP_LONG_TESTS:-1}  # the tests the main suite leaves out for time
 "$VENV/bin/python" -c "import torch, megatron.core as m; print('test-compat: torch', torch.__version__, \
 'megatron-core', m.__version__)"
 exec "$VENV/bin/python" -m pytest -q tests/test_parity.py tests/test_training.py tests/test_pretrain_gpt.py tests/test_install.py "$@"

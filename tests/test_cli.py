@@ -1,6 +1,8 @@
 """The command line: check, run (flag injection into Megatron-LM's parser without editing it),
 the demo end to end, and the shipped example scripts and fork diffs."""
 
+import atexit
+import functools
 import json
 import os
 import subprocess
@@ -12,14 +14,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(*args, cwd=None, timeout=600):
+@functools.lru_cache(maxsize=None)
+def _launcher():
+    from megatron_overlap.lab.fork_launcher import ForkLauncher
+
+    launcher = ForkLauncher(None, env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    atexit.register(launcher.close)
+    return launcher
+
+
+def cli(*args, cwd=None, timeout=600, fresh=False):
+    """``megatron-overlap ARGS``: forked from one process that imported torch, Megatron and the
+    plugin once (``lab/fork_launcher.py``), or a new ``python -m megatron_overlap`` (``fresh``:
+    the entry point itself, and the ``run`` tests, whose fake Megatron-LM must be the one imported)."""
+    if not fresh:
+        rc, stdout, stderr = _launcher().run_cli(list(args), str(cwd or ROOT), timeout=timeout)
+        return subprocess.CompletedProcess(args, rc, stdout, stderr)
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "megatron_overlap", *args], cwd=cwd or ROOT,
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_check_reports_versions_and_backends():
-    out = cli("check", "--json")
+    out = cli("check", "--json", fresh=True)  # the entry point itself, python -m megatron_overlap
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert info["megatron-core supported"] and info["megatron-core"].startswith("0.1")
@@ -110,7 +127,7 @@ def fake_megatron_lm(tmp_path):
 def test_run_injects_flags_and_installs_after_parsing(fake_megatron_lm, script):
     out = cli("run", str(fake_megatron_lm / script), "--tensor-model-parallel-size", "2",
               "--sequence-parallel", "--transformer-impl", "local", "--script-own-flag",
-              "--overlap-tp", "p2p", "--overlap-tp-rs", "a2a", cwd=fake_megatron_lm)
+              "--overlap-tp", "p2p", "--overlap-tp-rs", "a2a", cwd=fake_megatron_lm, fresh=True)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == dict(installed=True, tp=2, own=True, overlap="p2p", rs="a2a",
@@ -121,7 +138,7 @@ def test_run_injects_flags_and_installs_after_parsing(fake_megatron_lm, script):
 def test_run_traces_the_chosen_iteration_of_megatrons_loop(fake_megatron_lm, tmp_path):
     traces = tmp_path / "traces"
     out = cli("run", str(fake_megatron_lm / "pretrain_trace.py"), "--overlap-trace", str(traces),
-              "--overlap-trace-iters", "1", cwd=fake_megatron_lm)
+              "--overlap-trace-iters", "1", cwd=fake_megatron_lm, fresh=True)
     assert out.returncode == 0, out.stderr
     assert sorted(p.name for p in traces.iterdir()) == ["rank0.iter1.json"]
     assert "rank 0 iteration 1: step" in out.stderr and "exposed communication" in out.stderr
@@ -131,16 +148,16 @@ def test_run_traces_the_chosen_iteration_of_megatrons_loop(fake_megatron_lm, tmp
 
 def test_run_refuses_te_linears_with_a_clear_error(fake_megatron_lm):
     out = cli("run", str(fake_megatron_lm / "pretrain_v018.py"), "--tensor-model-parallel-size", "2",
-              "--sequence-parallel", "--overlap-tp", "p2p", cwd=fake_megatron_lm)
+              "--sequence-parallel", "--overlap-tp", "p2p", cwd=fake_megatron_lm, fresh=True)
     assert out.returncode != 0
     assert "--transformer-impl: Transformer Engine's linears are not patched" in out.stderr
 
 
 def test_run_errors(tmp_path):
-    out = cli("run", str(tmp_path / "missing.py"))
+    out = cli("run", str(tmp_path / "missing.py"), fresh=True)
     assert out.returncode == 2 and "no such script" in out.stderr
     (tmp_path / "pretrain_gpt.py").write_text("print('hi')\n")
-    out = cli("run", str(tmp_path / "pretrain_gpt.py"), cwd=tmp_path)
+    out = cli("run", str(tmp_path / "pretrain_gpt.py"), cwd=tmp_path, fresh=True)
     assert out.returncode == 2 and "cannot import megatron.training" in out.stderr
 
 

@@ -1,8 +1,10 @@
 """Megatron-LM's own ``pretrain_gpt.py`` (issue: training-loop), stock against the plugin,
-through ``torchrun`` with gloo on this CPU: a tiny GPT (2 layers, hidden 128, seq 128, mock
+with gloo on this CPU: a tiny GPT (2 layers, hidden 128, seq 128, mock
 data), 5 iterations, the losses Megatron computes read exactly (``train_step``'s reduced
 values, not the log line), and the plugin's patched calls counted, so a run where the patch did
-not take over fails. The Megatron-LM tree comes from ``MEGATRON_LM_DIR`` (default: the shared
+not take over fails. The ranks of each training are forked from one process that imported
+Megatron-LM once (``lab/fork_launcher.py``: what torchrun sets, without the import per rank);
+the refusal test goes through torchrun itself. The Megatron-LM tree comes from ``MEGATRON_LM_DIR`` (default: the shared
 core_v0.16.1 copy); the CPU shims of its training loop are ``lab/megatron_lm_cpu.py``.
 
 Tolerances: TP overlap and the pipeline schedules run the same ops on the same tensors in the
@@ -12,6 +14,7 @@ HDP against plain data parallelism over the same packed documents: the same mean
 token of a step, summed in another order (per document and ring instead of per sample row):
 rel. 1e-5."""
 
+import atexit
 import functools
 import glob
 import json
@@ -50,15 +53,24 @@ def _port() -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _launcher():
+    """One zygote per test session: Megatron-LM imported once, the ranks of every training below
+    forked from it (``lab/fork_launcher.py``); ``test_plugin_refuses_...`` still goes through
+    torchrun."""
+    from megatron_overlap.lab.fork_launcher import ForkLauncher
+
+    launcher = ForkLauncher(TREE, env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))
+    atexit.register(launcher.close)
+    return launcher
+
+
+@functools.lru_cache(maxsize=None)
 def train(mode: str, ranks: int, flags: tuple) -> dict:
-    """One torchrun of pretrain_gpt.py: the last stage's losses and the calls summed over ranks."""
+    """One launch of pretrain_gpt.py: the last stage's losses and the calls summed over ranks."""
     out = os.path.join(os.environ.get("PYTEST_TMP", "/tmp"), f"pretrain_gpt_{os.getpid()}_{abs(hash((mode, ranks, flags)))}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-           str(_port()), "-m", "megatron_overlap.lab.megatron_lm_cpu", out, mode, SCRIPT,
-           *(a for a in BASE if not (a == "--mock-data" and "--data-path" in flags)), *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    argv = [out, mode, SCRIPT, *(a for a in BASE if not (a == "--mock-data" and "--data-path" in flags)), *flags]
+    rc, stdout, stderr = _launcher().run(ranks, argv, timeout=600)
+    assert rc == 0, stderr[-4000:]
     losses, calls = [], {}
     for path in sorted(glob.glob(out + ".rank*")):
         with open(path) as f:
@@ -68,7 +80,7 @@ def train(mode: str, ranks: int, flags: tuple) -> dict:
             losses = [step["lm loss"] for step in r["losses"]]
         for k, v in r["calls"].items():
             calls[k] = calls.get(k, 0) + v
-    assert len(losses) == 5, (losses, done.stdout[-2000:])
+    assert len(losses) == 5, (losses, stdout[-2000:])
     return {"losses": losses, "calls": calls}
 
 
@@ -185,15 +197,6 @@ def test_hdp_trains_packed_documents_like_data_parallelism():
         assert abs(a - b) <= 1e-5 * abs(b), (ours["losses"], stock["losses"])
 
 
-# 4-rank trainings of pretrain_gpt.py cost 25-45 s each on 2 cores, mostly start-up: these two would take
-# the main suite past 15 minutes. scripts/test-compat.sh runs them (MEGATRON_OVERLAP_LONG_TESTS=1);
-# tests/test_hdp_runtime.py covers TP x HDP and PP x HDP exactness in the main suite.
-LONG = pytest.mark.skipif(not os.environ.get("MEGATRON_OVERLAP_LONG_TESTS"), reason=(
-    "a 4-rank pretrain_gpt.py test left out of the main suite for time; scripts/test-compat.sh runs it "
-    "(MEGATRON_OVERLAP_LONG_TESTS=1)"))
-
-
-@LONG
 def test_hdp_with_pipeline_parallelism_trains_like_data_parallelism():
     """--hdp --hdp-mode pp at PP=2 x DP=2 on 4 ranks under Megatron's own 1F1B: every stage plans
     the same slots, rings run between the two pipelines at the same stage, the stages exchange each
@@ -206,7 +209,6 @@ def test_hdp_with_pipeline_parallelism_trains_like_data_parallelism():
         assert abs(a - b) <= 1e-5 * abs(b), (ours["losses"], stock["losses"])
 
 
-@LONG
 def test_hdp_with_tensor_parallelism_trains_like_data_parallelism():
     """--hdp at TP=2 x DP=2 on 4 ranks (each HDP rank a TP group with the TP-overlap linears,
     rings between the groups of one TP rank): TP rank 0 reads the documents and hands them to its

@@ -1,7 +1,7 @@
 """A pool of gloo rank processes kept alive across tests.
 
 Spawning ranks and importing Megatron costs ~20 s for 4 ranks on a 2-core machine, so tests
-send work to live ranks instead::
+send work to live ranks instead (and a single-threaded process forks them, ``_fork_is_safe``)::
 
     pool = RankPool(4)
     results = pool.run(some_module.some_function, arg1, arg2)   # one result per rank
@@ -91,6 +91,21 @@ def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float, th
         pass
 
 
+def _fork_is_safe() -> bool:
+    """Fork (the ranks inherit this process's imports: Megatron's take ~8 s per spawned rank)
+    only from a process with one thread and no process group of its own, such as a command-line
+    run before its first collective; spawn otherwise (a fork copies no other thread, so a lock
+    one of them held would never be released in the child)."""
+    import torch.distributed as dist
+
+    if not hasattr(os, "fork") or dist.is_initialized():
+        return False
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
 class RankPool:
     """``world_size`` live gloo ranks; see the module docstring."""
 
@@ -111,7 +126,7 @@ class RankPool:
         self._start()
 
     def _start(self):
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("fork" if _fork_is_safe() else "spawn")
         port = _free_port()
         self._procs, self._conns = [], []
         for rank in range(self.world_size):
