@@ -17,6 +17,10 @@ rounds. Per schedule:
     predicted ms     the schedule simulated (pp/simulate.py) from this run's F, B, W times per
                      stage and the link's transfer time: simulated, beside the measurement
 
+Beside them, the floor: the shortest step any schedule reaches on the run's F/B/W and link
+within 1.05x 1F1B's activation memory, proved by CP-SAT (``pp/optimal.py``; simulated; needs
+``ortools``, else the line says it was not computed).
+
 Schedules: stock Megatron 1F1B, ``--overlap-pp 1f1b`` (K = p), ``1f1b`` with K = 2p - 1 in
 flight, ``zb`` (ZB-H1).
 """
@@ -112,6 +116,7 @@ def summarize(cfg: PPBench, rounds: list, described: list) -> dict:
                 max(r["stock"]["wall_s"] for r in per_rank) / max(r[mode]["wall_s"] for r in per_rank)
                 for per_rank in rounds),
         }
+    result["floor"] = _floor(cfg, described)
     stock = result["modes"]["stock"]
     for mode, r in result["modes"].items():
         r["bubble_vs_stock"] = r["bubble"] / stock["bubble"] if stock["bubble"] else None
@@ -121,6 +126,23 @@ def summarize(cfg: PPBench, rounds: list, described: list) -> dict:
         r["memory_vs_stock"] = r["peak_bytes"] / stock["peak_bytes"] if stock["peak_bytes"] else None
         r["prediction_error"] = r["predicted_step_ms"] / r["step_ms"] - 1
     return result
+
+
+FLOOR_MEMORY = 1.05  # the issue's bound on ZB-H1's peak activation memory, x 1F1B's
+
+
+def _floor(cfg: PPBench, described: list) -> dict:
+    """The shortest step any schedule reaches on this run's F/B/W and link within 1.05x 1F1B's
+    activation memory (``pp/optimal.py``; simulated), or why it was not computed."""
+    from ..pp.simulate import StageTimes
+    from .floor import compare
+
+    times = [StageTimes(d["times_ms"]["F"], d["times_ms"]["B"], d["times_ms"]["W"]) for d in described]
+    try:
+        return compare(times, cfg.microbatches, described[0]["transfer_ms"], described[0]["link"]["latency_us"] * 1e-3,
+                       FLOOR_MEMORY, w_share=0.5, time_limit_s=120)
+    except ImportError as exc:
+        return {"error": str(exc)}
 
 
 def format_table(result: dict) -> str:
@@ -154,9 +176,24 @@ def format_table(result: dict) -> str:
     lines.append("bubble: mean idle / step over the stages (idle = step - thread CPU time); slowest: the slowest "
                  "stage's idle / step (imbalance left out); exposed P2P: step - the same schedule's step on a free "
                  "link (same round); peak act: saved tensors + held for W")
+    lines.append(_floor_line(result))
     losses = {r["loss"] for r in result["modes"].values()}
     lines.append(f"losses of the last round: {'identical' if len(losses) == 1 else sorted(losses)}")
     return "\n".join(lines)
+
+
+def _floor_line(result: dict) -> str:
+    fl = result.get("floor", {})
+    if "error" in fl or not fl:
+        return f"floor: not computed ({fl.get('error', 'no floor')})"
+    split, whole = fl["schedules"]["floor, B/W split"], fl["schedules"]["floor, B and W together"]
+    stock = result["modes"]["stock"]["bubble"]
+    proved = lambda r: "" if r["optimal"] else " (bound)"  # noqa: E731
+    return (f"floor (simulated, pp/optimal.py: no schedule within {FLOOR_MEMORY}x 1F1B's activation memory does better "
+            f"on these F/B/W and this link): B/W split {split['bound_ms']:.1f} ms{proved(split)}, bubble >= "
+            f"{100 * split['bubble']:.1f}% = {split['bubble'] / stock:.2f}x stock's measured, "
+            f"{split['bubble_vs_stock']:.2f}x its simulated; B and W together {whole['bound_ms']:.1f} ms{proved(whole)}, "
+            f"bubble >= {100 * whole['bubble']:.1f}%")
 
 
 def draw_timeline(per_rank: list, described: list, cfg: PPBench, path: str, modes=("stock", "1f1b", "zb")) -> str:

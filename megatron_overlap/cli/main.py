@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     add_hdp_args(bench_sub.add_parser(
         "hdp", help="hybrid data parallelism: static CP vs megatron-core's balanced scheduler vs HDP (cost model)"))
 
+    from .floor import add_floor_args
+
+    add_floor_args(sub.add_parser(
+        "floor", help="the shortest pipeline step any schedule can reach for given F/B/W times, link and memory "
+        "(CP-SAT; simulated)"))
+
     from .plan import add_plan_args
 
     add_plan_args(sub.add_parser("plan", help="rank the TP-overlap strategies for a model on a machine (cost model)"))
@@ -76,6 +82,10 @@ def main(argv=None) -> int:
         from .check import main as check_main
 
         return check_main(args.json)
+    if args.command == "floor":
+        from .floor import floor_main
+
+        return floor_main(args)
     if args.command == "plan":
         from .plan import plan_main
 

@@ -1,0 +1,166 @@
+"""The shortest step any pipeline schedule can reach, proved by a constraint solver: a floor
+computed independently of our schedule generator, to score it against.
+
+The model is the simulator's (``pp/simulate.py``), with every choice left free:
+
+- each stage runs its forwards F, backwards B and (split) weight gradients W of one step, one
+  at a time, with the given durations; W(k) after B(k) after F(k); each kind in micro-batch
+  order (as every schedule here and Megatron's run them);
+- an activation leaves stage s for s + 1 once F(s, k) has run, a gradient leaves s for s - 1
+  once B(s, k) has run; each takes ``transfer_ms`` on its sender's one egress port (transfers
+  of one port one after the other, in any order) and arrives ``latency_ms`` later; F(s, k)
+  waits for its activation, B(s, k) for its gradient;
+- memory: a micro-batch holds one activation on a stage from the start of its F to the end of
+  its B, and ``w_share`` of one from then to the end of its W; at no time may a stage hold more
+  than ``memory`` activations (1F1B holds ``p`` on stage 0, ``p - s`` on stage s);
+- ``piece``: W may be cut in two, a piece of ``piece[0]`` ms holding ``piece[1]`` of an
+  activation, which runs apart from the rest (a linear layer's weight gradient held back
+  further than the others);
+- not split (``split=False``): B does the weight gradients too, nothing is held after it.
+
+Posting and per-action overheads are free; the order of a port's transfers is the solver's.
+Both only shorten steps, so the answer is a floor for every schedule the simulator can score
+(under the micro-batch-order assumption above). The solver is CP-SAT (OR-tools, ``pip install
+ortools``); an answer it cannot prove optimal within ``time_limit_s`` is reported with its
+proved bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from .simulate import StageTimes
+
+_TIME = 100  # solver ticks per ms
+_MEM = 100  # memory ticks per activation
+
+
+@dataclass(frozen=True)
+class Floor:
+    step_ms: float  # the best schedule found
+    bound_ms: float  # no schedule is shorter (equals step_ms when proved optimal)
+    optimal: bool
+    busy_ms: List[float]
+    orders: List[List[str]]  # per stage, the found schedule's actions in order ("F0", "B0", "W0", ...)
+
+    @property
+    def bubble(self) -> float:
+        """Mean idle / step over the stages of the found schedule."""
+        return 1 - sum(self.busy_ms) / (len(self.busy_ms) * self.step_ms)
+
+    @property
+    def bubble_floor(self) -> float:
+        """No schedule's bubble is below this (the bubble at the proved bound)."""
+        return 1 - sum(self.busy_ms) / (len(self.busy_ms) * self.bound_ms)
+
+
+def _solver_module():
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError as exc:
+        raise ImportError("the pipeline floor needs OR-tools' CP-SAT solver: pip install ortools "
+                          "(or megatron-overlap[floor])") from exc
+    return cp_model
+
+
+def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, latency_ms: float = 0.0,
+          memory: Optional[Sequence[float] | float] = None, w_share: float = 0.5, split: bool = True,
+          piece: Optional[Tuple[float, float]] = None, time_limit_s: float = 60.0) -> Floor:
+    """The shortest step over every schedule of ``len(times)`` stages and ``microbatches``
+    micro-batches in the model above. ``memory``: activations a stage may hold (a number, or
+    one per stage; default: 1F1B's peak, ``p`` on every stage)."""
+    cp_model = _solver_module()
+    p, m = len(times), microbatches
+    if p < 2 or m < 1:
+        raise ValueError(f"a pipeline floor needs >= 2 stages and >= 1 micro-batch, got {p} and {m}")
+    caps = [float(p)] * p if memory is None else ([float(memory)] * p if isinstance(memory, (int, float))
+                                                   else [float(x) for x in memory])
+    if len(caps) != p:
+        raise ValueError(f"memory: {len(caps)} values for {p} stages")
+    if min(caps) < 1:
+        raise ValueError(f"memory is {min(caps):g} activations on a stage: below one micro-batch's, no schedule runs")
+    if not 0 <= w_share <= 1:
+        raise ValueError(f"w_share is {w_share:g}: the part of an activation a pending W holds is in [0, 1]")
+    ops = _ops(times, split, piece, w_share)
+    model = cp_model.CpModel()
+    # every action one after the other, each transfer on its own: no schedule is longer
+    horizon = _ticks(m * sum(d for s in range(p) for _o, d, _h in ops[s]) + 2 * m * p * (transfer_ms + latency_ms) + 1)
+    start, end, iv = {}, {}, {}
+    for s in range(p):
+        for op, dur, _held in ops[s]:
+            for k in range(m):
+                a, e = model.NewIntVar(0, horizon, ""), model.NewIntVar(0, horizon, "")
+                iv[s, op, k] = model.NewIntervalVar(a, _ticks(dur), e, "")
+                start[s, op, k], end[s, op, k] = a, e
+        model.AddNoOverlap([iv[s, op, k] for op, _d, _h in ops[s] for k in range(m)])
+        held, demand = [], []
+        for k in range(m):
+            for op, _d, _h in ops[s]:
+                if k:
+                    model.Add(start[s, op, k] >= end[s, op, k - 1])
+                if op != "F":
+                    model.Add(start[s, op, k] >= end[s, "B" if op != "B" else "F", k])
+            held.append(_span(model, start[s, "F", k], end[s, "B", k], horizon))
+            demand.append(_MEM)
+            for op, _d, share in ops[s]:
+                if share is not None:
+                    held.append(_span(model, end[s, "B", k], end[s, op, k], horizon))
+                    demand.append(int(round(share * _MEM)))
+        model.AddCumulative(held, demand, int(round(caps[s] * _MEM)))
+    _transfers(model, p, m, start, end, horizon, _ticks(transfer_ms), _ticks(latency_ms))
+    step = model.NewIntVar(0, horizon, "step")
+    model.AddMaxEquality(step, [end[s, op, m - 1] for s in range(p) for op, _d, _h in ops[s]])
+    model.Minimize(step)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 2
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        raise RuntimeError(f"the solver found no schedule within {time_limit_s:g} s ({solver.StatusName(status)})")
+    orders = [[f"{op}{k}" for _t, op, k in sorted((solver.Value(start[s, op, k]), op, k) for op, _d, _h in ops[s]
+                                                  for k in range(m))] for s in range(p)]
+    return Floor(step_ms=solver.Value(step) / _TIME, bound_ms=solver.BestObjectiveBound() / _TIME,
+                 optimal=status == cp_model.OPTIMAL, busy_ms=[m * sum(d for _o, d, _h in ops[s]) for s in range(p)],
+                 orders=orders)
+
+
+def _ops(times, split, piece, w_share):
+    """Per stage: (op, ms, the part of an activation it holds from its B to its end; None for F
+    and B)."""
+    out = []
+    for t in times:
+        if not split:
+            out.append([("F", t.f, None), ("B", t.b + t.w, None)])
+        elif piece is None:
+            out.append([("F", t.f, None), ("B", t.b, None), ("W", t.w, w_share)])
+        else:
+            ms, share = piece
+            if not 0 < ms < t.w or not 0 <= share <= w_share:
+                raise ValueError(f"piece of W is {ms:g} ms holding {share:g} of an activation: it must be shorter "
+                                 f"than the stage's W ({t.w:g} ms) and hold at most what W holds ({w_share:g})")
+            out.append([("F", t.f, None), ("B", t.b, None), ("W", t.w - ms, w_share - share), ("V", ms, share)])
+    return out
+
+
+def _span(model, a, e, horizon):
+    return model.NewIntervalVar(a, model.NewIntVar(0, horizon, ""), e, "")
+
+
+def _transfers(model, p, m, start, end, horizon, transfer, latency):
+    """Activations s -> s + 1 after F, gradients s -> s - 1 after B, each on its sender's port."""
+    for s in range(p):
+        port = []
+        for k in range(m):
+            for op, dest, consumer in (("F", s + 1, "F"), ("B", s - 1, "B")):
+                if not 0 <= dest < p:
+                    continue
+                leave = model.NewIntVar(0, horizon, "")
+                model.Add(leave >= end[s, op, k])
+                port.append(model.NewIntervalVar(leave, transfer, leave + transfer, ""))
+                model.Add(start[dest, consumer, k] >= leave + transfer + latency)
+        model.AddNoOverlap(port)
+
+
+def _ticks(ms: float) -> int:
+    return int(round(ms * _TIME))
