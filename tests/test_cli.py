@@ -45,6 +45,7 @@ def test_check_reports_versions_and_backends():
     assert not info["backends"]["symm-mem"]["usable"]  # no CUDA on the test machines
     assert set(info["pipeline schedules"]) == {"off", "1f1b", "zb", "auto"}
     assert all(e["usable"] for e in info["pipeline schedules"].values())
+    assert "CP-SAT from ortools 9." in info["pipeline floor"]  # a test dependency
     text = cli("check").stdout
     assert "--overlap-tp backends" in text and "p2p" in text
     assert "--overlap-pp schedules" in text and "interleaved (virtual) pipelines are refused" in text

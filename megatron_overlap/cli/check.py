@@ -71,6 +71,10 @@ def report() -> dict:
     info["pipeline schedules"] = {name: {"usable": ok, "note": note} for name, (ok, note) in schedules.items()}
     info["pipeline note"] = ("PP > 1 only (PP = 1: a notice, stock runs); interleaved (virtual) pipelines are "
                              "refused at start")
+    ortools = _version("ortools")
+    info["pipeline floor"] = (f"megatron-overlap floor / bench pp's floor: CP-SAT from ortools {ortools}" if ortools
+                              else "megatron-overlap floor needs ortools (pip install ortools); bench pp then "
+                              "leaves its floor out")
     info["transformer-engine note"] = (
         "present: only Megatron's local linears (--transformer-impl local) are patched; "
         "TE's linears are left as they are, and --transformer-impl transformer_engine with "
@@ -97,6 +101,7 @@ def format_report(info: dict) -> str:
         mark = "yes" if entry["usable"] else "no "
         lines.append(f"    {name:8} {mark}  {entry['note']}")
     lines.append(f"    {info['pipeline note']}")
+    lines.append(f"    {info['pipeline floor']}")
     lines += ["", f"  Transformer Engine: {info['transformer-engine note']}"]
     return "\n".join(lines)
 
