@@ -28,18 +28,19 @@ def test_the_floor_is_below_every_schedule_and_above_the_busiest_stage():
         busiest = max(m * (t.f + t.b + t.w) for t in times)
         assert busiest <= split.bound_ms <= whole.bound_ms + 1e-6
         # our schedules, and Megatron's, are schedules of the model: none beats the floor
-        assert split.bound_ms <= simulate(build("zb", p, m), times, link).step_ms + 0.02
+        assert split.bound_ms <= simulate(build("zb", p, m), times, link).step_ms
         for kind in ("megatron", "1f1b"):
-            assert whole.bound_ms <= simulate(build(kind, p, m), times, link).step_ms + 0.02, (kind, p, m)
+            assert whole.bound_ms <= simulate(build(kind, p, m), times, link).step_ms, (kind, p, m)
 
 
 def test_our_schedules_reach_the_floor_on_the_bench_run():
     """ZB-H1 and async 1F1B are optimal on bench pp's measured times and link: no schedule within
     1F1B's memory is shorter (the reason ZB-H1's bubble cannot go below ~0.55x stock's there)."""
     zb = floor(BENCH, 8, BENCH_LINK.transfer_ms, BENCH_LINK.latency_ms, memory=2.1)
-    assert zb.optimal and zb.step_ms == pytest.approx(simulate(build("zb", 2, 8), BENCH, BENCH_LINK).step_ms, abs=0.05)
+    # equal up to the solver's 0.01 ms ticks (durations rounded down: the floor never overshoots)
+    assert zb.optimal and zb.step_ms == pytest.approx(simulate(build("zb", 2, 8), BENCH, BENCH_LINK).step_ms, abs=0.3)
     whole = floor(BENCH, 8, BENCH_LINK.transfer_ms, BENCH_LINK.latency_ms, memory=2.0, split=False)
-    assert whole.step_ms == pytest.approx(simulate(build("1f1b", 2, 8), BENCH, BENCH_LINK).step_ms, abs=0.05)
+    assert whole.step_ms == pytest.approx(simulate(build("1f1b", 2, 8), BENCH, BENCH_LINK).step_ms, abs=0.3)
     stock = simulate(build("megatron", 2, 8), BENCH, BENCH_LINK)
     assert zb.bubble_floor / stock.bubble > 0.45
     # a third micro-batch's room on every stage (1.5x) or a W piece held apart lowers it

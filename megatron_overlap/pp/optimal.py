@@ -27,6 +27,7 @@ proved bound.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -91,7 +92,7 @@ def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, la
         for op, dur, _held in ops[s]:
             for k in range(m):
                 a, e = model.NewIntVar(0, horizon, ""), model.NewIntVar(0, horizon, "")
-                iv[s, op, k] = model.NewIntervalVar(a, _ticks(dur), e, "")
+                iv[s, op, k] = model.NewIntervalVar(a, _ticks(dur, down=True), e, "")
                 start[s, op, k], end[s, op, k] = a, e
         model.AddNoOverlap([iv[s, op, k] for op, _d, _h in ops[s] for k in range(m)])
         held, demand = [], []
@@ -106,9 +107,10 @@ def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, la
             for op, _d, share in ops[s]:
                 if share is not None:
                     held.append(_span(model, end[s, "B", k], end[s, op, k], horizon))
-                    demand.append(int(round(share * _MEM)))
-        model.AddCumulative(held, demand, int(round(caps[s] * _MEM)))
-    _transfers(model, p, m, start, end, horizon, _ticks(transfer_ms), _ticks(latency_ms))
+                    demand.append(math.floor(share * _MEM))
+        model.AddCumulative(held, demand, math.ceil(caps[s] * _MEM))
+    # durations and demands rounded down, capacities up: the floor stays below the exact one
+    _transfers(model, p, m, start, end, horizon, _ticks(transfer_ms, down=True), _ticks(latency_ms, down=True))
     step = model.NewIntVar(0, horizon, "step")
     model.AddMaxEquality(step, [end[s, op, m - 1] for s in range(p) for op, _d, _h in ops[s]])
     model.Minimize(step)
@@ -162,5 +164,5 @@ def _transfers(model, p, m, start, end, horizon, transfer, latency):
         model.AddNoOverlap(port)
 
 
-def _ticks(ms: float) -> int:
-    return int(round(ms * _TIME))
+def _ticks(ms: float, down: bool = False) -> int:
+    return math.floor(ms * _TIME) if down else math.ceil(ms * _TIME)
