@@ -246,8 +246,11 @@ def test_bench_layer_smoke():
     assert "sync bd" in out.stdout
     for mode in ("stock", "overlap", "sub"):
         assert 0 <= ph[mode]["forward_blocked_ms"] <= ph[mode]["forward_ms"], ph[mode]
-        # a lower bound (from the replay and stock's bytes) that the run itself never beats
-        assert ph[mode]["forward_ms"] >= 0.9 * ph[mode]["forward_sync_bound_ms"], (mode, ph)
+        # the sync bound raises the plain forward bound; the forward's bytes alone bound the run
+        # (the replay's compute part is a timing of its own, too noisy at this size to hold a
+        # 1-step run against: benchmarks compare it, BENCHMARKS.md)
+        assert ph[mode]["forward_sync_bound_ms"] >= ph["forward_bound_ms"], (mode, ph)
+        assert ph[mode]["forward_ms"] >= 0.9 * ph["transfer_forward_ms"], (mode, ph)
 
 
 def test_plan_cli_prints_json_and_the_published_table():
@@ -435,3 +438,12 @@ def test_demo_pipeline_refuses_flags_it_does_not_read():
     out = cli("demo", "--pp", "2", "--seq", "64", timeout=120)
     assert out.returncode != 0 and "demo --pp runs its own pipeline (one rank per stage) and does not read --seq" \
         in out.stderr, out.stderr[-2000:]
+
+
+def test_a_command_past_its_timeout_is_killed_with_its_ranks():
+    """The tests' launcher bounds every launch: past its timeout the command and the ranks it
+    started (one process group) are killed, rc 124, and the launcher serves the next one."""
+    out = cli("demo", "--pp", "2", "--steps", "50", "--no-progress", timeout=4)
+    assert out.returncode == 124, out.stderr[-2000:]
+    out = cli("floor", "--times", "10/10")
+    assert out.returncode == 2 and "a stage's times are F/B/W in ms" in out.stderr

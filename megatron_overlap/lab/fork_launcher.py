@@ -108,7 +108,10 @@ def _launch(request: dict) -> dict:
         if time.monotonic() > deadline:
             for pid in children:
                 if pid not in codes:
-                    os.kill(pid, signal.SIGKILL)
+                    try:  # the rank and what it started (its rank pool): its own process group
+                        os.killpg(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                     os.waitpid(pid, 0)
                     codes[pid] = 124
             break
@@ -132,6 +135,7 @@ def _rank_main(rank: int, ranks: int, port: int, argv: List[str], logs: str, req
     code = 1
     try:
         os.setpgid(0, 0)
+        os.close(_PROTOCOL_FD)  # the zygote's answers are not this process's to write
         for fd, name in ((1, "stdout"), (2, "stderr")):
             f = os.open(os.path.join(logs, f"{name}.{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(f, fd)
@@ -170,7 +174,7 @@ def _rank_main(rank: int, ranks: int, port: int, argv: List[str], logs: str, req
         code = code or 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(code if isinstance(code, int) else 1)
 
 
 def _free_port() -> int:
@@ -181,14 +185,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_PROTOCOL_FD = -1
+
+
 def _serve(tree: str) -> None:
+    """Answer on a copy of stdout; stdout itself goes to stderr, so nothing an import prints can
+    garble an answer."""
+    global _PROTOCOL_FD
     import importlib
 
+    _PROTOCOL_FD = os.dup(1)
+    os.dup2(2, 1)
+    out = os.fdopen(_PROTOCOL_FD, "w", closefd=False)
     if tree != "--cli":
         sys.path.insert(0, tree)
     for name in (_PRELOAD_CLI if tree == "--cli" else _PRELOAD):
         importlib.import_module(name)
-    out = sys.stdout
     print(json.dumps({"ready": True}), file=out, flush=True)
     for line in sys.stdin:
         print(json.dumps(_launch(json.loads(line))), file=out, flush=True)
