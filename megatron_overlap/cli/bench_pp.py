@@ -191,7 +191,7 @@ def _floor_line(result: dict) -> str:
     proved = lambda r: "" if r["optimal"] else " (bound)"  # noqa: E731
     return (f"floor (simulated, pp/optimal.py: no schedule within {FLOOR_MEMORY}x 1F1B's activation memory does better "
             f"on these F/B/W and this link): B/W split {split['bound_ms']:.1f} ms{proved(split)}, bubble >= "
-            f"{100 * split['bubble']:.1f}% = {split['bubble'] / stock:.2f}x stock's measured, "
+            f"{100 * split['bubble']:.1f}% = {split['bubble'] / stock if stock else float('nan'):.2f}x stock's measured, "
             f"{split['bubble_vs_stock']:.2f}x its simulated; B and W together {whole['bound_ms']:.1f} ms{proved(whole)}, "
             f"bubble >= {100 * whole['bubble']:.1f}%")
 
