@@ -86,6 +86,8 @@ class ForkLauncher:
 
 def _launch(request: dict) -> dict:
     ranks, argv, timeout = request["ranks"], request["argv"], request["timeout"]
+    from .rank_pool import _free_port
+
     port = request.get("port") or _free_port()
     logs = tempfile.mkdtemp(prefix="fork_launch_")
     children = []
@@ -175,14 +177,6 @@ def _rank_main(rank: int, ranks: int, port: int, argv: List[str], logs: str, req
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code if isinstance(code, int) else 1)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _PROTOCOL_FD = -1
