@@ -91,3 +91,32 @@ def pp_eval(tp: int, pp: int, modes: list, m: int) -> dict:
         trainer.setup = base
         megatron_overlap.uninstall()
     return out
+
+
+def pp_runs_distopt(runs: list, steps: int) -> dict:
+    """PP=2 x DP=2 with Megatron's distributed optimizer (Adam, clipping), DDP
+    ``overlap_grad_reduce`` and ``overlap_param_gather``: for each (mode, micro-batches), from a
+    fresh trainer with the same start, the losses of ``steps`` steps, every gradient buffer
+    after the first (``main_grad``: this rank's reduce-scattered shard and its own rest), every
+    parameter after the last, and the plugin's counters."""
+    import dataclasses
+
+    import megatron_overlap
+    from megatron_overlap.lab.pipeline_gpt import PipelineGPT, PipelineTrainer
+
+    out = {}
+    try:
+        for mode, m in runs:
+            trainer = PipelineTrainer(dataclasses.replace(PipelineGPT(tp=1, pp=2), microbatches=m), True,
+                                      distributed_optimizer=True)
+            inst = _install(mode, None, 1)
+            grads, losses = [], []
+            for step in range(steps):
+                losses.append(trainer.step(step, on_grads=grads.append if step == 0 else None))
+            out[f"{mode}/{m}"] = {"losses": losses, "grads": grads[0],
+                                  "params": [p.detach().clone() for p in trainer.ddp.module.parameters()],
+                                  "calls": dict(inst.calls) if inst is not None else {}}
+            megatron_overlap.uninstall()
+    finally:
+        megatron_overlap.uninstall()
+    return out

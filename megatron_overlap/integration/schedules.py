@@ -11,6 +11,16 @@ schedule asked for with Megatron's own ``forward_step`` / ``backward_step``, so 
 order of the compute and where each transfer is posted and waited differ; every transfer goes
 through ``batch_isend_irecv`` on the pipeline group, both ends posting the same transfers in
 the same order, every wait bounded by the group's timeout.
+
+The data-parallel sync in the bubbles (Centauri's model level): with Megatron DDP's
+distributed optimizer and ``overlap_param_gather``, Megatron's non-interleaved schedule leaves
+the first parameter all-gather to the first forward's hook, so every stage but the first waits
+for its parameters after its activation arrived, one stage after the other; here it is
+dispatched when the step begins and travels while the stage waits for its first activation
+(the hooks then chain the other buckets as in stock). In a split schedule the weight gradients
+left after a stage's last B run as a drain (``Schedule.drain``): layer by layer, each
+parameter's in micro-batch order, inside the last B on the first stage, so each DDP bucket's
+reduction starts as soon as its last gradient is in (``tp/wgrad_store.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import torch.distributed as dist
 from ..comm import tags
 from ..errors import OverlapConfigError
 from ..pp import build
-from ..pp.schedule import ACT, B, F, POST, RECV, SEND, WAIT
+from ..pp.schedule import ACT, B, F, POST, RECV, SEND, WAIT, W
 
 _NAME = "get_forward_backward_func"
 
@@ -132,6 +142,7 @@ class _Run:
         inflight = _inflight(pp, self.p, self.m, self.config, seq_length, micro_batch_size)
         self.schedule = _schedule(pp.mode, self.p, self.m, inflight, self.forward_only)
         self.store = self.inst.wgrad if self.schedule.split else None
+        self.drain, self.last_b, self.trailing_w = _drain_plan(self.schedule, self.stage)
 
     # -- the step ------------------------------------------------------------------------------
     def execute(self, force_all_reduce):
@@ -146,6 +157,8 @@ class _Run:
         sync = _GradSync(config)
         sync.disable()
         last_b = self.m - 1
+        if _dispatch_param_gather(self.model):
+            self.inst.calls["pp.param_gather_at_start"] += 1
         observe = self.inst.pp_observer
         for action in self.schedule.actions[self.stage]:
             if action.op == B and action.mb == last_b and (config.grad_sync_func is None or self.stage == 0):
@@ -186,6 +199,9 @@ class _Run:
             self._forward(action.mb)
         elif action.op == B:
             self._backward(action.mb)
+        elif self.drain == "w" and action.mb in self.trailing_w:
+            if self.store.run_layer_major(self.trailing_w):  # the first of them drains all; the rest find none
+                self.inst.calls["pp.drain.w"] += 1
         else:
             self.store.run_microbatch(action.mb)
 
@@ -209,7 +225,13 @@ class _Run:
         args = (self.inputs.pop(mb), self.outputs.pop(mb), [self.out_grads.pop(mb, None)])
         if self.with_model_type:
             args = args + (self.model_type,)
-        hold = self.store.hold_for(mb) if self.store is not None else contextlib.nullcontext()
+        if self.store is None:
+            hold = contextlib.nullcontext()
+        elif self.drain == "bw" and mb == self.last_b:
+            hold = self.store.flush_for(mb)
+            self.inst.calls["pp.drain.bw"] += 1
+        else:
+            hold = self.store.hold_for(mb)
         with hold:
             grad = self.schedules.backward_step(*args, self.config)
         self.in_grads[mb] = grad[0] if isinstance(grad, list) else grad
@@ -250,6 +272,34 @@ class _Run:
         elif c.kind == ACT:
             output = self.outputs[c.mb] if not self.forward_only else self.outputs.pop(c.mb)
             self.schedules.deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
+
+
+def _drain_plan(schedule, stage: int) -> tuple:
+    """(how the stage drains, its last B's micro-batch, the micro-batches of the W actions
+    after it) from ``schedule.drain`` (``pp/schedule.py``)."""
+    if not schedule.split or not schedule.drain:
+        return "", None, frozenset()
+    acts = schedule.actions[stage]
+    last = max(i for i, a in enumerate(acts) if a.op == B)
+    trailing = frozenset(a.mb for a in acts[last + 1:] if a.op == W)
+    return schedule.drain[stage], acts[last].mb, trailing
+
+
+def _dispatch_param_gather(model) -> bool:
+    """The first parameter bucket's all-gather, dispatched as the step begins (module docstring):
+    only where Megatron's DDP would otherwise leave it to the first forward's hook (distributed
+    optimizer with ``overlap_param_gather``, not aligned, not overlapped with the optimizer step)."""
+    if not getattr(model, "use_forward_hook", False):
+        return False
+    ddp_config = getattr(model, "ddp_config", None)
+    if ddp_config is None or getattr(ddp_config, "align_param_gather", False) or \
+            getattr(model, "overlap_param_gather_with_optimizer_step", False):
+        return False
+    groups = getattr(model, "bucket_groups", None)
+    if groups and not groups[-1].param_gather_dispatched:
+        groups[-1].start_param_sync()
+        return True
+    return False
 
 
 def _timed_out(exc: BaseException) -> bool:

@@ -13,6 +13,7 @@ import sys
 import types
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 _applied = False
 
@@ -71,7 +72,13 @@ def apply(enable_grad_accum_fusion: bool = True) -> None:
     # Megatron stages small index tensors through pinned memory and .cuda() (e.g. RoPE under
     # context parallelism, rope_utils.get_pos_emb_on_this_cp_rank): on CPU, plain tensors.
     _tensor = torch.tensor
-    torch.tensor = lambda *a, pin_memory=False, **k: _tensor(*a, **k)
+
+    def tensor(*a, pin_memory=False, **k):
+        if str(k.get("device", "")).startswith("cuda"):  # e.g. the optimizer's grad-norm scalars
+            k["device"] = "cpu"
+        return _tensor(*a, **k)
+
+    torch.tensor = tensor
     torch.Tensor.cuda = lambda self, *a, **k: self
     # Megatron's pipeline schedules count tokens in torch.zeros(..., device="cuda").
     _zeros = torch.zeros
@@ -95,3 +102,59 @@ def apply(enable_grad_accum_fusion: bool = True) -> None:
         layers.fused_weight_gradient_mlp_cuda = sys.modules["fused_weight_gradient_mlp_cuda"]
         layers._grad_accum_fusion_available = True
     _applied = True
+
+
+_FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint", "empty_like",
+              "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "as_tensor", "eye", "linspace"}
+
+
+def _is_cuda(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True
+    return str(device).startswith("cuda")
+
+
+class CPUDevices(TorchFunctionMode):
+    """Tensors asked for on ``cuda`` are made on the CPU; ``pin_memory`` is dropped; a tensor's
+    ``type()`` reads as its CUDA type (Megatron's optimizers assert it)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", "")
+        if name in _FACTORIES or name in ("to", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"):
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            kwargs.pop("pin_memory", None)
+            if name == "to" and args and len(args) > 1 and _is_cuda(args[1]):
+                args = (args[0], "cpu", *args[2:])
+        if name in ("cuda", "pin_memory"):
+            return args[0]
+        if name == "type" and len(args) == 1 and not kwargs:
+            # Megatron's optimizers check ``param.type()`` against the CUDA tensor types
+            text = func(*args)
+            return text.replace("torch.", "torch.cuda.", 1) if not text.startswith("torch.cuda.") else text
+        return func(*args, **kwargs)
+
+
+def optimizer_shims() -> None:
+    """Megatron's optimizer on CPU without a process-wide ``CPUDevices``: its gradient clipping
+    asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``, so it runs inside one (the rest
+    of the step only makes scalars on "cuda", which ``apply`` maps). Idempotent."""
+    import functools
+
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    original = clip_grads.clip_grad_by_total_norm_fp32
+    if getattr(original, "_cpu_shim", False):
+        return
+
+    @functools.wraps(original)
+    def clip(*args, **kwargs):
+        with CPUDevices():
+            return original(*args, **kwargs)
+
+    clip._cpu_shim = True
+    clip_grads.clip_grad_by_total_norm_fp32 = clip
+    optimizer.clip_grad_by_total_norm_fp32 = clip

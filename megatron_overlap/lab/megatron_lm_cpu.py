@@ -40,36 +40,6 @@ import sys
 import time
 
 import torch
-from torch.overrides import TorchFunctionMode
-
-_FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint", "empty_like",
-              "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "as_tensor", "eye", "linspace"}
-
-
-def _is_cuda(device) -> bool:
-    if device is None:
-        return False
-    if isinstance(device, int):
-        return True
-    return str(device).startswith("cuda")
-
-
-class _CPUDevices(TorchFunctionMode):
-    """Tensors asked for on ``cuda`` are made on the CPU; ``pin_memory`` is dropped."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        name = getattr(func, "__name__", "")
-        if name in _FACTORIES or name in ("to", "new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"):
-            if _is_cuda(kwargs.get("device")):
-                kwargs["device"] = "cpu"
-            kwargs.pop("pin_memory", None)
-            if name == "to" and args and len(args) > 1 and _is_cuda(args[1]):
-                args = (args[0], "cpu", *args[2:])
-        if name in ("cuda", "pin_memory"):
-            return args[0]
-        return func(*args, **kwargs)
-
 
 class _Event:
     def __init__(self, *args, **kwargs):
@@ -102,7 +72,7 @@ def apply() -> None:
     torch.cuda.empty_cache = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.pin_memory = lambda self, *a, **k: self
-    _CPUDevices().__enter__()  # for the life of the process
+    cpu_shims.CPUDevices().__enter__()  # for the life of the process
 
     from megatron.core.datasets import utils as dataset_utils
     from megatron.training import arguments, initialize

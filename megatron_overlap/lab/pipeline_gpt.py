@@ -23,9 +23,14 @@ class PipelineGPT:
 
 
 class PipelineTrainer:
-    """One model per process (this rank's stage), Megatron DDP around it, a reusable start."""
+    """One model per process (this rank's stage), Megatron DDP around it, a reusable start.
+    ``distributed_optimizer``: Megatron's distributed optimizer (Adam, gradient clipping; with
+    ``overlap_grad_reduce`` its parameter all-gather overlapped with the next forward) instead
+    of plain SGD on ``main_grad``, and ``grad_sync_func`` set as Megatron-LM sets it; a trainer
+    made for one run (its optimizer state is not reset)."""
 
-    def __init__(self, setup: PipelineGPT, overlap_grad_reduce: bool, **config_overrides):
+    def __init__(self, setup: PipelineGPT, overlap_grad_reduce: bool, distributed_optimizer: bool = False,
+                 **config_overrides):
         from megatron.core.distributed import finalize_model_grads
 
         self.setup = setup
@@ -33,10 +38,27 @@ class PipelineTrainer:
         config_overrides.setdefault("gradient_accumulation_fusion", True)
         model = tiny_gpt.build(setup.spec, setup.tp, pipeline_model_parallel_size=setup.pp,
                                pipeline_dtype=torch.float32, **config_overrides)
-        self.ddp = tiny_gpt.wrap_ddp(model, overlap_grad_reduce)
+        self.ddp = tiny_gpt.wrap_ddp(model, overlap_grad_reduce, distributed_optimizer=distributed_optimizer)
         config = model.config
         config.no_sync_func = self.ddp.no_sync
         config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = None
+        if distributed_optimizer:
+            import contextlib
+            import os
+
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            from .cpu_shims import CPUDevices, optimizer_shims
+
+            optimizer_shims()
+            opt = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, params_dtype=torch.float32,
+                                  use_distributed_optimizer=True, clip_grad=1.0)
+            with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), CPUDevices():
+                self.optimizer = get_megatron_optimizer(opt, [self.ddp])
+            if overlap_grad_reduce:
+                config.grad_sync_func = self.ddp.start_grad_sync  # Megatron-LM's align_grad_reduce
+            config.grad_scale_func = self.optimizer.scale_loss
         self.start = [p.detach().clone() for p in self.ddp.module.parameters()]
 
     def reset(self) -> None:
@@ -66,6 +88,8 @@ class PipelineTrainer:
 
         spec = self.setup.spec
         self.ddp.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
 
         def forward_step(data_iterator, model):
             tokens, labels, position_ids, mask = next(data_iterator)
@@ -85,9 +109,12 @@ class PipelineTrainer:
         if not forward_only:
             if on_grads is not None:
                 on_grads([p.main_grad.detach().clone() for p in self.ddp.module.parameters()])
-            with torch.no_grad():
-                for param in self.ddp.module.parameters():
-                    param.add_(param.main_grad, alpha=-lr)
+            if self.optimizer is not None:
+                self.optimizer.step()
+            else:
+                with torch.no_grad():
+                    for param in self.ddp.module.parameters():
+                        param.add_(param.main_grad, alpha=-lr)
         loss = torch.zeros(())
         if parallel_state.is_pipeline_last_stage():
             loss = torch.stack([d["loss"] for d in data]).mean()

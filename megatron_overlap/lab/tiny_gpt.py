@@ -133,14 +133,17 @@ def build(spec: TinyGPT, tp: int, sequence_parallel: bool = True, **config_overr
     )
 
 
-def wrap_ddp(model, overlap_grad_reduce: bool, bucket_size: Optional[int] = 4096):
-    """Megatron's DistributedDataParallel around ``model`` (fp32 grads in ``main_grad``)."""
+def wrap_ddp(model, overlap_grad_reduce: bool, bucket_size: Optional[int] = 4096, distributed_optimizer: bool = False):
+    """Megatron's DistributedDataParallel around ``model`` (fp32 grads in ``main_grad``);
+    ``distributed_optimizer``: its buffers for Megatron's distributed optimizer, with the
+    parameter all-gather overlapped with the next forward (``overlap_param_gather``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=distributed_optimizer,
+        overlap_param_gather=distributed_optimizer and overlap_grad_reduce,
         bucket_size=bucket_size,
     )
     return DistributedDataParallel(model.config, ddp_config, model)

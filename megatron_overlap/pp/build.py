@@ -6,7 +6,10 @@
               link allows and waited just before use (``inflight`` > stages: Centauri's model
               level, more forwards in flight before the first backward)
     zb        the backward split into B (input gradient) and W (weight gradient); W fills what
-              would be bubbles (ZB-H1 at ``inflight`` = stages: 1F1B's peak memory)
+              would be bubbles (ZB-H1 at ``inflight`` = stages: 1F1B's peak memory); the W
+              actions after each stage's last B drained layer by layer (``drain``: stage 0
+              inside its last B, the others after it), so the data-parallel gradient buckets
+              start their reduction as their last gradient is in
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ def check_inflight(stages: int, microbatches: int, inflight: int) -> None:
 
 
 def build(kind: str, stages: int, microbatches: int, inflight: int = 0, w_share: float = 0.5,
-          times: Sequence[float] = (1.0, 1.0, 1.0), forward_only: bool = False) -> Schedule:
+          times: Sequence[float] = (1.0, 1.0, 1.0), forward_only: bool = False, drain: bool = True) -> Schedule:
     """Schedule ``kind`` for ``stages`` x ``microbatches`` (``inflight`` 0: as many as stages),
-    validated before it is returned."""
+    validated before it is returned. ``drain``: split schedules drain their trailing weight
+    gradients layer by layer (``Schedule.drain``); False runs them one micro-batch at a time."""
     p, m = stages, microbatches
     if kind not in KINDS:
         raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(KINDS)}")
@@ -58,8 +62,9 @@ def build(kind: str, stages: int, microbatches: int, inflight: int = 0, w_share:
     else:
         bound = tuple(float(warmup(p, m, s, k)) for s in range(p))
     name = kind if k == p or kind == "megatron" else f"{kind} (inflight {k})"
+    drains = (("bw",) + ("w",) * (p - 1)) if split and drain else ()
     schedule = Schedule(name=name, stages=p, microbatches=m, split=split, inflight=k,
                         actions=tuple(tuple(a) for a in actions), memory_bound=bound, w_share=w_share,
-                        forward_only=forward_only)
+                        forward_only=forward_only, drain=drains)
     validate(schedule)
     return schedule

@@ -16,7 +16,16 @@ The model is the simulator's (``pp/simulate.py``), with every choice left free:
 - ``piece``: W may be cut in two, a piece of ``piece[0]`` ms holding ``piece[1]`` of an
   activation, which runs apart from the rest (a linear layer's weight gradient held back
   further than the others);
-- not split (``split=False``): B does the weight gradients too, nothing is held after it.
+- not split (``split=False``): B does the weight gradients too, nothing is held after it;
+- the data-parallel sync (``dp``, one ``DPSync`` per stage, on a port of its own, as the
+  simulator has it): the gradient reduction occupies the stage's DP port for all its buckets
+  and ends before the step does (the optimizer step follows); it cannot start before the last
+  micro-batch's backward has started (no parameter's gradient is complete earlier) and, with
+  one bucket, before the stage's last weight gradient has ended; it ends no earlier than that
+  last weight gradient plus the last bucket's reduction. The parameter all-gather (distributed
+  optimizer) runs from the step's start: the stage's first forward starts once the first
+  bucket is in and ends no earlier than the last bucket is in (each a relaxation of what any
+  schedule does, so the floor stays a floor).
 
 Posting and per-action overheads are free; the order of a port's transfers is the solver's.
 Both only shorten steps, so the answer is a floor for every schedule the simulator can score
@@ -31,7 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from .simulate import StageTimes
+from .simulate import DPSync, StageTimes, _per_stage
 
 _TIME = 100  # solver ticks per ms
 _MEM = 100  # memory ticks per activation
@@ -67,7 +76,8 @@ def _solver_module():
 
 def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, latency_ms: float = 0.0,
           memory: Optional[Sequence[float] | float] = None, w_share: float = 0.5, split: bool = True,
-          piece: Optional[Tuple[float, float]] = None, time_limit_s: float = 60.0) -> Floor:
+          piece: Optional[Tuple[float, float]] = None, time_limit_s: float = 60.0,
+          dp: Sequence[DPSync] | DPSync = ()) -> Floor:
     """The shortest step over every schedule of ``len(times)`` stages and ``microbatches``
     micro-batches in the model above. ``memory``: activations a stage may hold (a number, or
     one per stage; default: 1F1B's peak, ``p`` on every stage)."""
@@ -86,7 +96,10 @@ def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, la
     ops = _ops(times, split, piece, w_share)
     model = cp_model.CpModel()
     # every action one after the other, each transfer on its own: no schedule is longer
-    horizon = _ticks(m * sum(d for s in range(p) for _o, d, _h in ops[s]) + 2 * m * p * (transfer_ms + latency_ms) + 1)
+    syncs = _per_stage(dp, p) if dp else []
+    dp_total = sum(x.reduce_total_ms + x.gather_total_ms for x in syncs)
+    horizon = _ticks(m * sum(d for s in range(p) for _o, d, _h in ops[s]) + 2 * m * p * (transfer_ms + latency_ms)
+                     + dp_total + 1)
     start, end, iv = {}, {}, {}
     for s in range(p):
         for op, dur, _held in ops[s]:
@@ -112,7 +125,9 @@ def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, la
     # durations and demands rounded down, capacities up: the floor stays below the exact one
     _transfers(model, p, m, start, end, horizon, _ticks(transfer_ms, down=True), _ticks(latency_ms, down=True))
     step = model.NewIntVar(0, horizon, "step")
-    model.AddMaxEquality(step, [end[s, op, m - 1] for s in range(p) for op, _d, _h in ops[s]])
+    ends = [end[s, op, m - 1] for s in range(p) for op, _d, _h in ops[s]]
+    ends += _dp_sync(model, p, m, ops, start, end, horizon, syncs)
+    model.AddMaxEquality(step, ends)
     model.Minimize(step)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
@@ -142,6 +157,27 @@ def _ops(times, split, piece, w_share):
                 raise ValueError(f"piece of W is {ms:g} ms holding {share:g} of an activation: it must be shorter "
                                  f"than the stage's W ({t.w:g} ms) and hold at most what W holds ({w_share:g})")
             out.append([("F", t.f, None), ("B", t.b, None), ("W", t.w - ms, w_share - share), ("V", ms, share)])
+    return out
+
+
+def _dp_sync(model, p, m, ops, start, end, horizon, syncs) -> list:
+    """The data-parallel constraints of the module docstring; the times the step must cover."""
+    out = []
+    for s, sync in enumerate(syncs):
+        if sync.gather_ms:
+            model.Add(start[s, "F", 0] >= _ticks(sync.gather_ms[0] + sync.latency_ms, down=True))
+            model.Add(end[s, "F", 0] >= _ticks(sync.gather_total_ms, down=True))
+        if not sync.reduce_ms:
+            continue
+        grad_ops = [op for op, _d, _h in ops[s] if op != "F"]
+        grad_end = model.NewIntVar(0, horizon, "")
+        model.AddMaxEquality(grad_end, [end[s, op, m - 1] for op in grad_ops])
+        r_start = model.NewIntVar(0, horizon, "")
+        model.Add(r_start >= (grad_end if len(sync.reduce_ms) == 1 else start[s, "B", m - 1]))
+        r_end = model.NewIntVar(0, horizon, "")
+        model.Add(r_end >= r_start + _ticks(sync.reduce_total_ms, down=True))
+        model.Add(r_end >= grad_end + _ticks(sync.reduce_ms[-1] + sync.latency_ms, down=True))
+        out.append(r_end)
     return out
 
 

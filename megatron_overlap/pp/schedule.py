@@ -72,7 +72,14 @@ def wait(comm: Comm) -> Action:
 class Schedule:
     """``actions[s]``: stage s's ordered actions. ``memory_bound[s]``: the most micro-batches'
     activations stage s may hold at once (a split micro-batch waiting for its W counts
-    ``w_share`` of one). ``inflight``: forwards stage 0 runs before its first backward."""
+    ``w_share`` of one). ``inflight``: forwards stage 0 runs before its first backward.
+    ``drain[s]`` (split schedules): how stage s runs the W actions after its last B so that
+    its data-parallel gradient buckets fill as early as they can: ``""`` one micro-batch after
+    the other, as listed; ``"w"`` all of them at the first one, layer by layer in the
+    backward's order (each parameter's weight gradients still added in micro-batch order, so
+    the sums are the same); ``"bw"`` the same, inside the last B itself (each layer's pending
+    weight gradients right after its input gradient: only where that B sends nothing, stage
+    0)."""
 
     name: str
     stages: int
@@ -84,6 +91,7 @@ class Schedule:
     w_share: float = 0.5
     forward_only: bool = False
     notes: Tuple[str, ...] = field(default=())
+    drain: Tuple[str, ...] = field(default=())
 
     def compute_order(self, stage: int) -> List[Tuple[str, int]]:
         return [(a.op, a.mb) for a in self.actions[stage] if a.op in COMPUTE]

@@ -1,5 +1,5 @@
 """One pipeline step of a ``Schedule`` in simulated time: when each stage computes, waits and
-ends, what is exposed of the P2P transfers and of the data-parallel gradient sync.
+ends, what is exposed of the P2P transfers and of the data-parallel sync.
 
 Assumptions (the cost model's, and the emulated link's on CPU):
 
@@ -9,20 +9,36 @@ Assumptions (the cost model's, and the emulated link's on CPU):
   same sender (one egress port per rank), and takes ``latency + bytes / bandwidth``; a WAIT on a
   receive ends when the transfer has arrived, on a send when it has left the port;
 - posting costs ``post_ms``;
-- the data-parallel reduction of a stage's gradients (``dp_ms``) starts with the stage's last
-  backward of the last micro-batch (B, or its W when split: buckets fill as it runs, as
-  Megatron DDP's ``overlap_grad_reduce`` does) and the step ends when every stage has both
-  finished its actions and its reduction.
+- the data-parallel traffic of a stage (``DPSync``, Megatron DDP with ``overlap_grad_reduce``,
+  and with the distributed optimizer's ``overlap_param_gather``) runs on a port of its own
+  beside the pipeline's (the data-parallel communicator runs next to the pipeline's, as NCCL
+  communicators do on their own streams; the P2P traffic is a small share of a port, so the
+  sharing this leaves out moves little), one collective after the other:
+
+  * gradient buckets: a bucket's reduce-scatter (or all-reduce) starts once its last gradient
+    is in. With several buckets (Megatron buckets only the first stage) they fill in order
+    over the stage's last gradient segment: its last B (not split), its last W (split), or,
+    where the schedule drains its weight gradients layer by layer (``Schedule.drain``), the
+    trailing W actions together (``"w"``), or the last B with them (``"bw"``); one bucket is
+    complete at the end of that segment;
+  * parameter buckets (distributed optimizer): the first forward of the step needs them in
+    order; bucket 0 is dispatched at the step's start (``gather_at_start``) or by the first
+    forward's hook (Megatron's non-interleaved schedule), bucket k + 1 when the forward has
+    waited for bucket k; the forward's share of a bucket's layers runs once it is gathered.
+
+  The step ends when every stage has finished its actions and its reductions (the optimizer
+  step that follows synchronises the stages: gradient clipping's norm).
 
 Reported per stage: ``busy`` (compute), ``idle`` = step - busy, ``p2p_exposed`` (time waited
-while the awaited bytes were on the wire), ``dp_exposed`` (reduction after the stage's last
-action), and the step; ``bubble`` = mean idle / step.
+while the awaited bytes were on the wire), ``dp_exposed`` (the reductions after the stage's
+last action, plus the forward's waits for parameters), and the step; ``bubble`` = mean idle /
+step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .schedule import B, COMPUTE, F, POST, SEND, WAIT, W, Comm, Schedule
 
@@ -42,6 +58,40 @@ class LinkCost:
 
 
 @dataclass(frozen=True)
+class DPSync:
+    """One stage's data-parallel traffic per step (module docstring). ``reduce_ms``: each
+    gradient bucket's reduction on the port, in the order the backward fills them (Megatron's
+    bucket 0 holds the last layers); ``gather_ms``: each parameter bucket's all-gather, in the
+    order the forward needs them (empty: no distributed optimizer, or no overlap);
+    ``latency_ms`` per collective."""
+
+    reduce_ms: Tuple[float, ...] = ()
+    gather_ms: Tuple[float, ...] = ()
+    latency_ms: float = 0.0
+    gather_at_start: bool = False
+
+    def __post_init__(self):
+        if any(x < 0 for x in self.reduce_ms + self.gather_ms) or self.latency_ms < 0:
+            raise ValueError(f"data-parallel times must be >= 0, got {self}")
+
+    @property
+    def reduce_total_ms(self) -> float:
+        return sum(self.reduce_ms) + (self.latency_ms if self.reduce_ms else 0.0)
+
+    @property
+    def gather_total_ms(self) -> float:
+        return sum(self.gather_ms) + (self.latency_ms if self.gather_ms else 0.0)
+
+    def replace(self, **kw) -> "DPSync":
+        from dataclasses import replace
+
+        return replace(self, **kw)
+
+
+NO_DP = DPSync()
+
+
+@dataclass(frozen=True)
 class PipelineTime:
     step_ms: float
     busy_ms: List[float]
@@ -49,6 +99,9 @@ class PipelineTime:
     p2p_exposed_ms: List[float]
     dp_exposed_ms: List[float]
     timeline: List[List[Tuple[str, float, float]]]  # per stage: (label, start, end) of compute
+    dp_reduce_exposed_ms: List[float] = field(default_factory=list)  # reductions after the last action
+    dp_gather_wait_ms: List[float] = field(default_factory=list)  # the first forward's waits for parameters
+    dp_spans: List[List[Tuple[str, float, float]]] = field(default_factory=list)  # per stage: ("RS"/"AG", start, end)
 
     @property
     def idle_ms(self) -> List[float]:
@@ -60,26 +113,28 @@ class PipelineTime:
 
 
 def simulate(schedule: Schedule, times: Sequence[StageTimes], link: LinkCost = LinkCost(),
-             dp_ms: Sequence[float] = ()) -> PipelineTime:
+             dp: Sequence[DPSync] | DPSync = ()) -> PipelineTime:
     p = schedule.stages
     if len(times) == 1:
         times = list(times) * p
-    dp = list(dp_ms) or [0.0] * p
+    syncs = _per_stage(dp, p)
     clock = [0.0] * p
     ptr = [0] * p
     busy = [0.0] * p
     p2p = [0.0] * p
     port = [0.0] * p  # when each rank's egress port is free
     sent: Dict[Tuple[int, Comm], Tuple[float, float]] = {}  # (sender, its SEND) -> (leaves, arrives)
-    dp_start = [None] * p
     timeline: List[List[Tuple[str, float, float]]] = [[] for _ in range(p)]
-    last = {s: _last_backward(schedule, s) for s in range(p)}
+    dp_state = [_DPState(sync) for sync in syncs]
+    segments = [grad_segment(schedule, s) for s in range(p)]
+    first_f = [next((i for i, a in enumerate(schedule.actions[s]) if a.op == F), None) for s in range(p)]
     wire = link.latency_ms + link.transfer_ms
     while any(ptr[s] < len(schedule.actions[s]) for s in range(p)):
         moved = False
         for s in range(p):
             while ptr[s] < len(schedule.actions[s]):
-                a = schedule.actions[s][ptr[s]]
+                i = ptr[s]
+                a = schedule.actions[s][i]
                 if a.op == POST:
                     clock[s] += link.post_ms
                     for c in a.comms:
@@ -101,25 +156,131 @@ def simulate(schedule: Schedule, times: Sequence[StageTimes], link: LinkCost = L
                 else:
                     t = times[s]
                     dur = {F: t.f, B: t.b if schedule.split else t.b + t.w, W: t.w}[a.op]
-                    if (a.op, a.mb) == last[s]:
-                        dp_start[s] = clock[s]
-                    timeline[s].append((f"{a.op}{a.mb}", clock[s], clock[s] + dur))
-                    clock[s] += dur
+                    start = clock[s]
+                    if i == first_f[s]:
+                        start = dp_state[s].forward(start, dur)
+                        end = dp_state[s].forward_end
+                    else:
+                        end = start + dur
+                    timeline[s].append((f"{a.op}{a.mb}", start, end))
+                    clock[s] = end
                     busy[s] += dur
+                    dp_state[s].segment(i, segments[s], start, end)
                 ptr[s] += 1
                 moved = True
         if not moved:
             raise RuntimeError("simulation stalled: the schedule was not validated")
-    ends = [max(clock[s], (dp_start[s] or 0.0) + dp[s]) if dp[s] else clock[s] for s in range(p)]
+    reduce_exposed = [max(0.0, dp_state[s].reduce_end - clock[s]) for s in range(p)]
+    ends = [max(clock[s], dp_state[s].reduce_end) for s in range(p)]
     step = max(ends) if ends else 0.0
-    dp_exposed = [max(0.0, ends[s] - clock[s]) for s in range(p)]
-    return PipelineTime(step_ms=step, busy_ms=busy, end_ms=ends, p2p_exposed_ms=p2p, dp_exposed_ms=dp_exposed,
-                        timeline=timeline)
+    gather_wait = [d.gather_wait for d in dp_state]
+    return PipelineTime(step_ms=step, busy_ms=busy, end_ms=ends, p2p_exposed_ms=p2p,
+                        dp_exposed_ms=[r + g for r, g in zip(reduce_exposed, gather_wait)], timeline=timeline,
+                        dp_reduce_exposed_ms=reduce_exposed, dp_gather_wait_ms=gather_wait,
+                        dp_spans=[d.spans for d in dp_state])
 
 
-def _last_backward(schedule: Schedule, s: int):
-    ops = [(a.op, a.mb) for a in schedule.actions[s] if a.op in COMPUTE]
-    want = W if schedule.split else B
-    backward = [x for x in ops if x[0] == want]
-    return backward[-1] if backward else None
+def _per_stage(dp, p: int) -> List[DPSync]:
+    if isinstance(dp, DPSync):
+        return [dp] * p
+    dp = list(dp)
+    if not dp:
+        return [NO_DP] * p
+    if len(dp) == 1:
+        return dp * p
+    if len(dp) != p:
+        raise ValueError(f"{len(dp)} data-parallel syncs for {p} stages")
+    return dp
 
+
+class _DPState:
+    """One stage's data-parallel port and its buckets during the simulation."""
+
+    def __init__(self, sync: DPSync):
+        self.sync = sync
+        self.port = 0.0
+        self.gather_wait = 0.0
+        self.reduce_end = 0.0
+        self.forward_end = 0.0
+        self.spans: List[Tuple[str, float, float]] = []
+        self._seg_start: Optional[float] = None
+        self._gathered: Optional[float] = None
+        if sync.gather_ms and sync.gather_at_start:
+            self._gathered = self._book("AG", 0.0, sync.gather_ms[0])
+
+    def _book(self, kind: str, ready: float, ms: float) -> float:
+        start = max(ready, self.port)
+        self.port = start + ms
+        done = self.port + self.sync.latency_ms
+        self.spans.append((kind, start, done))
+        return done
+
+    def forward(self, start: float, dur: float) -> float:
+        """The step's first forward, starting at ``start`` (its input in hand): its parameter
+        buckets gathered in order, each bucket's share of the forward once it is in. Returns
+        when the forward's compute began (``forward_end`` is set to its end)."""
+        gather = self.sync.gather_ms
+        if not gather:
+            self.forward_end = start + dur
+            return start
+        total = sum(gather)
+        shares = [ms / total for ms in gather] if total else [1.0 / len(gather)] * len(gather)
+        t = start
+        done = self._gathered if self._gathered is not None else self._book("AG", start, gather[0])
+        began = None
+        for k, share in enumerate(shares):
+            if done > t:
+                self.gather_wait += done - t
+                t = done
+            if began is None:
+                began = t
+            if k + 1 < len(gather):  # the hook that waited for bucket k dispatches bucket k + 1
+                done = self._book("AG", t, gather[k + 1])
+            t += dur * share
+        self.forward_end = t
+        return began
+
+    def segment(self, index: int, seg: Tuple[int, int], start: float, end: float) -> None:
+        """Compute action ``index`` ran over [start, end]; at the segment's last action the
+        gradient buckets are booked."""
+        if not self.sync.reduce_ms or seg is None:
+            return
+        first, last = seg
+        if index == first:
+            self._seg_start = start
+        if index != last:
+            return
+        reduce = self.sync.reduce_ms
+        seg_start = self._seg_start if self._seg_start is not None else start
+        if len(reduce) == 1:
+            ready = [end]
+        else:
+            total, acc, ready = sum(reduce) or 1.0, 0.0, []
+            for ms in reduce:
+                acc += ms
+                ready.append(seg_start + (end - seg_start) * acc / total)
+        for r, ms in zip(ready, reduce):
+            self.reduce_end = max(self.reduce_end, self._book("RS", r, ms))
+
+
+def grad_segment(schedule: Schedule, s: int) -> Optional[Tuple[int, int]]:
+    """(first, last) action index of stage ``s``'s last gradient segment (module docstring):
+    where its gradient buckets fill."""
+    acts = schedule.actions[s]
+    compute = [(i, a.op) for i, a in enumerate(acts) if a.op in COMPUTE]
+    backward = [i for i, op in compute if op == B]
+    if not backward:
+        return None
+    last_b = backward[-1]
+    if not schedule.split:
+        return last_b, last_b
+    ws = [i for i, op in compute if op == W]
+    if not ws:
+        return None
+    drain = schedule.drain[s] if schedule.drain else ""
+    trailing = [i for i in ws if i > last_b]
+    if drain == "bw" and trailing:
+        return last_b, trailing[-1]
+    if drain == "w" and trailing:
+        return trailing[0], trailing[-1]
+    return ws[-1], ws[-1]

@@ -17,6 +17,8 @@ is wrong.
    simulated until every stage ends.
 5. Memory: activations held never exceed the schedule's bound on any stage (F adds one
    micro-batch; B frees it, or all but ``w_share`` of it in a split schedule, W the rest).
+6. Drains (``Schedule.drain``): only in split schedules, one per stage; ``"bw"`` only where
+   the last B sends nothing and only W actions follow it (stage 0).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def validate(schedule: Schedule) -> Dict[str, List[float]]:
     for s in range(schedule.stages):
         _check_compute(schedule, s)
         _check_transfers(schedule, s)
+        _check_drain(schedule, s)
     _check_matching(schedule)
     for model in ("link", "batch"):
         _simulate(schedule, model)
@@ -69,6 +72,27 @@ def _check_compute(schedule: Schedule, s: int) -> None:
     for op in wanted:
         if len(seen[op]) != m:
             _fail(schedule, s, None, f"{len(seen[op])} {op} actions for {m} micro-batches")
+
+
+def _check_drain(schedule: Schedule, s: int) -> None:
+    if not schedule.drain:
+        return
+    if not schedule.split or len(schedule.drain) != schedule.stages:
+        raise ScheduleError(f"schedule {schedule.name!r} is rejected: a drain needs a split schedule and one entry "
+                            f"per stage, got {schedule.drain!r}")
+    how = schedule.drain[s]
+    if how not in ("", "w", "bw"):
+        _fail(schedule, s, None, f"drain {how!r} is not one of '', 'w', 'bw'")
+    if how != "bw":
+        return
+    acts = schedule.actions[s]
+    last_b = max(i for i, a in enumerate(acts) if a.op == B)
+    if s > 0:
+        _fail(schedule, s, last_b, "drains its weight gradients inside its last B, which sends a gradient: only "
+              "stage 0 may ('w' drains after it)")
+    after = [a for a in acts[last_b + 1:] if a.op in COMPUTE]
+    if any(a.op != W for a in after):
+        _fail(schedule, s, last_b, "drains inside its last B, but a forward or backward follows it")
 
 
 def _needed(schedule: Schedule, s: int) -> set:

@@ -19,7 +19,12 @@ made the tiny GPT's step 5-10% slower than this fixed order, BENCHMARKS.md).
 
 Under a split pipeline schedule (``--overlap-pp zb``) the executor wraps each micro-batch's B in
 :meth:`hold_for`: what is pushed there is kept for that micro-batch's W
-(:meth:`run_microbatch`) and none of the points above runs it.
+(:meth:`run_microbatch`) and none of the points above runs it. At the end of a stage's step the
+W left over run as a drain, layer by layer, so each DDP bucket's last gradient is in as early
+as it can be: :meth:`run_layer_major` (after the last B), or :meth:`flush_for` around the last B
+(each parameter's held tasks right after its own wgrad is pushed). Either way a parameter's
+tasks still run in micro-batch order, so ``main_grad`` receives the same additions in the same
+order.
 
 Numerics are untouched: the same GEMM on the same tensors into the same ``main_grad``, only
 later. Megatron DDP must not see the parameter as ready before its task ran: the integration
@@ -47,7 +52,8 @@ class WgradStore:
         self._after: dict = {}  # id(param) -> callbacks once its last task ran
         self._drain_queued = False
         self._microbatch: Optional[int] = None  # the B being held for its W (``hold_for``)
-        self._held: dict = {}  # micro-batch -> [(param, fn)], for its W
+        self._flushing = False  # inside ``flush_for``: a push runs the parameter's held tasks, then itself
+        self._held: dict = {}  # micro-batch -> [(param, fn, nbytes)], for its W
         self._held_bytes: dict = {}  # micro-batch -> bytes its held tasks keep alive
         self.ran = 0  # tasks run so far (tests count them)
 
@@ -57,8 +63,15 @@ class WgradStore:
     def push(self, param: torch.Tensor, fn: Callable[[], None], nbytes: int = 0) -> None:
         """Keep ``fn`` (the wgrad of ``param``; ``nbytes``: what it keeps alive) for later. Call
         from inside a backward pass."""
+        if self._flushing:
+            with torch.no_grad():
+                self._run_held_of(param, sorted(self._held))
+                fn()
+                self.ran += 1
+            self._release(param)
+            return
         if self._microbatch is not None:
-            self._held.setdefault(self._microbatch, []).append((param, fn))
+            self._held.setdefault(self._microbatch, []).append((param, fn, nbytes))
             self._held_bytes[self._microbatch] = self._held_bytes.get(self._microbatch, 0) + nbytes
             return
         self._tasks.append((self._pushed, param, fn))
@@ -84,7 +97,7 @@ class WgradStore:
 
     def pending(self, param: torch.Tensor) -> bool:
         return any(p is param for _seq, p, _fn in self._tasks) or any(
-            p is param for tasks in self._held.values() for p, _fn in tasks)
+            p is param for tasks in self._held.values() for p, _fn, _n in tasks)
 
     @contextlib.contextmanager
     def hold_for(self, microbatch: int):
@@ -95,17 +108,65 @@ class WgradStore:
         finally:
             self._microbatch = previous
 
+    @contextlib.contextmanager
+    def flush_for(self, microbatch: int):
+        """Inside (a micro-batch's B): each wgrad pushed runs at once, right after the tasks of
+        the same parameter still held for earlier micro-batches (in micro-batch order)."""
+        previous, self._flushing = self._flushing, True
+        try:
+            yield
+        finally:
+            self._flushing = previous
+
     def run_microbatch(self, microbatch: int) -> int:
         """Run micro-batch ``microbatch``'s held wgrads, in the order they were pushed (the
         backward's order, as stock runs them); returns how many ran."""
         tasks = self._held.pop(microbatch, [])
         self._held_bytes.pop(microbatch, None)
         with torch.no_grad():  # as inside the backward pass the tasks came from
-            for param, fn in tasks:
+            for param, fn, _n in tasks:
                 fn()
                 self.ran += 1
                 self._release(param)
         return len(tasks)
+
+    def run_layer_major(self, microbatches) -> int:
+        """Run the held wgrads of ``microbatches`` parameter by parameter, in the order the
+        backward pushed them (the last layer first), each parameter's in micro-batch order;
+        returns how many ran."""
+        mbs = sorted(mb for mb in set(microbatches) if mb in self._held)
+        order, seen = [], set()
+        for mb in mbs:
+            for param, _fn, _n in self._held[mb]:
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    order.append(param)
+        before = self.ran
+        with torch.no_grad():
+            for param in order:
+                self._run_held_of(param, mbs)
+                self._release(param)
+        return self.ran - before
+
+    def _run_held_of(self, param, microbatches) -> None:
+        """Run (and drop) ``param``'s tasks held for ``microbatches``, in that order."""
+        for mb in microbatches:
+            tasks = self._held.get(mb)
+            if not tasks:
+                continue
+            keep = []
+            for entry in tasks:
+                if entry[0] is param:
+                    entry[1]()
+                    self.ran += 1
+                    self._held_bytes[mb] = self._held_bytes.get(mb, 0) - entry[2]
+                else:
+                    keep.append(entry)
+            if keep:
+                self._held[mb] = keep
+            else:
+                self._held.pop(mb)
+                self._held_bytes.pop(mb, None)
 
     def held_microbatches(self) -> list:
         return sorted(self._held)

@@ -11,8 +11,11 @@ Per stage (``stage_times``):
   critical path;
 - one transfer: the activation a stage hands on, ``[tokens / TP, hidden]`` (sequence parallel)
   in the model's dtype, over the link between the stages (InfiniBand when PP spans nodes);
-- the data-parallel gradient reduce-scatter of the stage's parameters (fp32, distributed
-  optimizer), which ``pp/simulate.py`` starts with the stage's last backward.
+- the data-parallel sync of the stage's parameters in Megatron DDP's buckets (``pp/buckets.py``:
+  several on the first stage, one on the others): fp32 gradients reduce-scattered
+  (distributed optimizer) as each bucket's last gradient is in, bf16 parameters all-gathered
+  for the next step's first forward (``overlap_param_gather``): by the first forward's hook in
+  Megatron's non-interleaved schedule, from the step's start in ours (``pp/simulate.py``).
 
 Assumptions beyond the layer model's own: stages are as balanced as whole layers allow; W is
 deferrable only where the schedule splits B (``zb``); TP overlap inside a stage is priced by
@@ -29,8 +32,10 @@ from typing import List
 from ..config import PPConfig
 from ..pp import build
 from ..pp.memory import layer_activation_bytes
-from ..pp.simulate import LinkCost, StageTimes, simulate as simulate_pipeline
-from .comm import p2p_ms, reduce_scatter_ms
+from ..pp.buckets import buckets, stage_bucket_size
+from ..pp.simulate import DPSync, LinkCost, StageTimes, simulate as simulate_pipeline
+from ..pp.work import BlockWork, stage_params, stage_times
+from .comm import all_gather_cost, all_reduce_cost, p2p_ms, reduce_scatter_cost
 from .layer_ops import embedding_ops, head_ops, transformer_layer_ops
 from .models import ModelSpec, RunSpec
 from .simulate import OpsResult, make_ctx, simulate_ops
@@ -50,8 +55,19 @@ class PipelineCosts:
     times: List[StageTimes]
     transfer_ms: float
     latency_ms: float
-    dp_ms: float
+    dp: List[DPSync]  # Megatron's: parameters gathered at the first forward
     activation_bytes: float  # one micro-batch on one stage
+    work: List[List[BlockWork]]
+    transfer_bytes: float  # one activation on the wire
+
+    @property
+    def dp_ms(self) -> float:
+        """The largest stage's gradient reduction (all its buckets, one after the other)."""
+        return max((d.reduce_total_ms for d in self.dp), default=0.0)
+
+    def dp_ours(self) -> List[DPSync]:
+        """The same traffic with the first parameter bucket dispatched at the step's start."""
+        return [d.replace(gather_at_start=True) for d in self.dp]
 
 
 @dataclass(frozen=True)
@@ -60,8 +76,8 @@ class ScheduleResult:
     flags: str
     step_ms: float
     bubble: float  # on a free link: the schedule's own idle / step
-    p2p_exposed_ms: float  # step - the same schedule's step on a free link
-    dp_exposed_ms: float
+    p2p_exposed_ms: float  # step without the DP sync - the same schedule's step on a free link
+    dp_exposed_ms: float  # step - the same step without the DP sync
     peak_activation_gb: float  # stage 0, the most-loaded stage
 
 
@@ -71,50 +87,112 @@ def _split(res: OpsResult) -> tuple:
     return res.fwd_ms, max(0.0, res.bwd_ms - w), w
 
 
-def stage_costs(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = Strategy("megatron")) -> PipelineCosts:
+def layer_params(model: ModelSpec, tp: int) -> tuple:
+    """A transformer layer's parameters on one TP rank, as its two halves hold them: (input
+    norm + QKV + output projection, MLP norm + fc1 + fc2)."""
+    h = model.hidden
+    return (h + h * model.qkv_out // tp + h * h // tp, h + h * model.fc1_out // tp + model.ffn * h // tp)
+
+
+def _halves(model: ModelSpec, run: RunSpec, hw, ctx) -> tuple:
+    """(attention half, MLP half) of one layer's (F, B, W): each half simulated on its own
+    (norm, QKV, attention, projection | norm, fc1, activation, fc2), then scaled so the two add
+    up to the whole layer's simulation."""
+    ops = transformer_layer_ops(model, run, hw)
+    cut = next(i for i, op in enumerate(ops) if op.name == "residual+norm")
+    whole = _split(simulate_ops(ops, ctx, True))
+    parts = [_split(simulate_ops(part, ctx, True)) for part in (ops[:cut], ops[cut:])]
+    out = []
+    for part in parts:
+        out.append(tuple(w * x / (a + b) if a + b else w / 2 for w, x, a, b in zip(whole, part, *parts)))
+    return tuple(out)
+
+
+def stage_work(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = Strategy("megatron")) -> List[List[BlockWork]]:
+    """Per stage: the embedding (stage 0), ``ceil(layers / pp)`` transformer layers (each as its
+    attention and MLP halves, as Megatron's modules run them and as DDP's buckets hold their
+    parameters), the final norm and output layer (last stage), each with its F, B, W and
+    parameters (module docstring)."""
     if run.pp < 2 or not run.training:
         raise ValueError(f"a pipeline schedule needs PP >= 2 and training, got PP={run.pp}, {run.phase}")
     ctx = make_ctx(run, hw, strategy)
-    layer = _split(simulate_ops(transformer_layer_ops(model, run, hw), ctx, True))
+    attn, mlp = _halves(model, run, hw, ctx)
+    attn_params, mlp_params = layer_params(model, run.tp)
     head = _split(simulate_ops(head_ops(model, run, hw), ctx, True))
     embed = _split(simulate_ops(embedding_ops(model, run, hw), ctx, True))
     per_stage = math.ceil(model.layers / run.pp)
-    times = []
+    table = model.vocab * model.hidden // run.tp
+    out = []
     for stage in range(run.pp):
-        extra = embed if stage == 0 else head if stage == run.pp - 1 else (0.0, 0.0, 0.0)
-        times.append(StageTimes(*(per_stage * x + e for x, e in zip(layer, extra))))
+        blocks = []
+        for i in range(per_stage):
+            k = stage * per_stage + i
+            blocks += [BlockWork(f"layer {k} attention", *attn, (attn_params,)),
+                       BlockWork(f"layer {k} mlp", *mlp, (mlp_params,))]
+        if stage == 0:
+            blocks.insert(0, BlockWork("embedding", *embed, (table,)))
+        if stage == run.pp - 1:
+            blocks.append(BlockWork("output layer", *head, (model.hidden + table,)))
+        out.append(blocks)
+    return out
+
+
+def dp_syncs(work: List[List[BlockWork]], run: RunSpec, hw, distributed_optimizer: bool = True,
+             overlap_grad_reduce: bool = True, gather_at_start: bool = False) -> List[DPSync]:
+    """Each stage's data-parallel traffic in Megatron DDP's buckets (``pp/buckets.py``): fp32
+    gradients reduce-scattered (distributed optimizer) or all-reduced, bf16 parameters
+    all-gathered for the next step's forward (distributed optimizer with
+    ``overlap_param_gather``), over the DP x CP group's fabric."""
+    ranks = run.dp * run.cp
+    if ranks <= 1:
+        return [DPSync() for _ in work]
+    link = hw.link_for(run.tp * run.cp * run.dp)
+    out = []
+    for stage, params in enumerate(stage_params(work)):
+        sizes = buckets(params, stage_bucket_size(ranks, stage, overlap_grad_reduce))
+        reduce = reduce_scatter_cost if distributed_optimizer else all_reduce_cost
+        rs = [reduce(4.0 * n, ranks, link) for n in sizes]
+        ag = [all_gather_cost(hw.dtype_bytes * n, ranks, link) for n in reversed(sizes)] if distributed_optimizer \
+            else []
+        out.append(DPSync(reduce_ms=tuple(c.busy_ms for c in rs), gather_ms=tuple(c.busy_ms for c in ag),
+                          latency_ms=rs[0].latency_ms, gather_at_start=gather_at_start))
+    return out
+
+
+def stage_costs(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = Strategy("megatron")) -> PipelineCosts:
+    work = stage_work(model, run, hw, strategy)
+    times = stage_times(work)
     link = hw.link_for(run.tp * run.pp)  # neighbouring stages: across nodes once TP x PP exceeds one
     nbytes = run.tokens / run.tp * model.hidden * hw.dtype_bytes
     transfer = p2p_ms(nbytes, link)
-    dp_ms = 0.0
-    if run.dp * run.cp > 1:
-        params = model.params / (run.tp * run.pp)
-        dp_ms = reduce_scatter_ms(4.0 * params, run.dp * run.cp, hw.link_for(run.tp * run.cp * run.dp))
+    per_stage = math.ceil(model.layers / run.pp)
     act = per_stage * layer_activation_bytes(run.seq, run.micro_batch, model.hidden, model.heads, run.tp, run.cp,
                                              hw.dtype_bytes, flash=True)
-    return PipelineCosts(times, transfer, 0.0, dp_ms, act)
+    return PipelineCosts(times, transfer, 0.0, dp_syncs(work, run, hw), act, work, nbytes)
 
 
 def simulate_schedules(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = Strategy("megatron")) -> list:
-    """Every schedule of ``SCHEDULES`` simulated for this model and layout (stock first)."""
+    """Every schedule of ``SCHEDULES`` simulated for this model and layout (stock first), with
+    the data-parallel sync priced as the emulated cluster measures it: Megatron's buckets, its
+    parameter gather at the first forward for stock, at the step's start for ours."""
     costs = stage_costs(model, run, hw, strategy)
     p, m = run.pp, run.micro_batches
     link, free = LinkCost(transfer_ms=costs.transfer_ms), LinkCost()
-    dp = [costs.dp_ms] * p
     out = []
     for label, mode, kind, inflight in SCHEDULES:
         if kind != "megatron" and m < p:
             continue
         k = min(m, 2 * p - 1) if inflight == "2p-1" else 0
         schedule = build(kind, p, m, k, times=(costs.times[0].f, costs.times[0].b, costs.times[0].w))
+        dp = costs.dp if kind == "megatron" else costs.dp_ours()
         on_link = simulate_pipeline(schedule, costs.times, link, dp)
+        no_dp = simulate_pipeline(schedule, costs.times, link)
         alone = simulate_pipeline(schedule, costs.times, free)
         flags = " ".join(PPConfig(mode=mode, max_inflight=k or None,
                                   explicit=frozenset({"max_inflight"}) if k else frozenset()).flags())
         held = max(schedule.memory_bound)
-        out.append(ScheduleResult(label, flags, on_link.step_ms, alone.bubble, on_link.step_ms - alone.step_ms
-                                  - max(on_link.dp_exposed_ms), max(on_link.dp_exposed_ms),
-                                  held * costs.activation_bytes / 1e9))
+        out.append(ScheduleResult(label, flags, on_link.step_ms, alone.bubble, no_dp.step_ms - alone.step_ms,
+                                  on_link.step_ms - no_dp.step_ms, held * costs.activation_bytes / 1e9))
     return out
 
 
@@ -129,8 +207,10 @@ def format_schedules(results: list, memory_gb: float = 0.0) -> str:
         lines.append(f"  {r.label:24}{r.step_ms:>10.1f}{stock.step_ms / r.step_ms:>8.2f}x{100 * r.bubble:>7.1f}%"
                      f"{r.p2p_exposed_ms:>11.1f}ms{r.dp_exposed_ms:>10.1f}ms{r.peak_activation_gb:>13.1f}  "
                      f"{r.flags or '(stock)'}" + ("  [over the memory budget]" if over else ""))
-    lines.append("  bubble: idle / step on a free link; exposed P2P: step - the same schedule on a free link "
-                 "(DP excluded); act: Korthikanti's estimate x micro-batches held on stage 0")
+    lines.append("  bubble: idle / step on a free link; exposed P2P: the step without the DP sync - the same on a "
+                 "free link; exposed DP: step - the same step without the DP sync (Megatron's buckets, distributed "
+                 "optimizer: gradients reduce-scattered, parameters all-gathered; stock gathers at the first "
+                 "forward, ours from the step's start); act: Korthikanti's estimate x micro-batches held on stage 0")
     return "\n".join(lines)
 
 
