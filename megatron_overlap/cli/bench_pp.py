@@ -225,20 +225,37 @@ def draw_timeline(per_rank: list, described: list, cfg: PPBench, path: str, mode
 
 
 def add_pp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from .bench_cluster import add_emulate_args
+
     defaults = PPBench()
     for f in fields(PPBench):
         if f.name == "seed":
             continue
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)),
-                            default=getattr(defaults, f.name))
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)), default=None,
+                            help=f"default {getattr(defaults, f.name)} (with --emulate: the cluster's own)")
     parser.add_argument("--timeline", default="", metavar="PNG", help="draw one step per stage to PNG")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
     parser.add_argument("--no-progress", action="store_true")
+    add_emulate_args(parser)
     return parser
 
 
 def pp_main(args) -> int:
-    values = {f.name: getattr(args, f.name) for f in fields(PPBench) if hasattr(args, f.name)}
+    if getattr(args, "emulate", False):
+        from .bench_cluster import emulate_main
+
+        return emulate_main(args)
+    from .bench_cluster import EMULATE_ONLY
+
+    given = [n for n in EMULATE_ONLY if getattr(args, n, None) is not None] + (["no_exposed"] if getattr(
+        args, "no_exposed", False) else [])
+    if given:
+        names = ", ".join("--" + n.replace("_", "-") for n in given)
+        print(f"bench pp: {names} only apply with --emulate (the emulated cluster)", file=sys.stderr)
+        return 2
+    defaults = PPBench()
+    values = {f.name: (getattr(args, f.name) if getattr(args, f.name, None) is not None else getattr(defaults, f.name))
+              for f in fields(PPBench) if hasattr(args, f.name)}
     cfg = PPBench(**values)
     if cfg.pp < 2 or cfg.microbatches < cfg.pp:
         print(f"bench pp: needs --pp >= 2 and --microbatches >= --pp, got {cfg.pp} and {cfg.microbatches}",

@@ -4,7 +4,9 @@ Every transfer completes no earlier than ``latency + bytes / bandwidth`` after t
 egress port is free to start it, and waiting for it costs no CPU (the waiting thread sleeps):
 
 - one egress port per rank (a switch, as NVSwitch or a NIC): transfers a rank issues queue
-  behind each other; ``bandwidth_GBps`` is that port's rate;
+  behind each other; ``bandwidth_GBps`` is that port's rate. With ``LinkSpec.ports ==
+  "group"`` a rank has one such port per process group (communicators side by side), and with
+  ``node_size`` two tiers (a transfer inside a node at the intra-node rate);
 - a collective over R ranks sends what a ring algorithm sends: all-gather and reduce-scatter
   ``(R-1)`` shards, all-reduce ``2(R-1)/R`` of the buffer, all-to-all ``(R-1)/R``; it pays
   ``R-1`` latencies (``2(R-1)`` for all-reduce). Its real gloo op is issued at once; ``wait``
@@ -28,6 +30,10 @@ module-level reference to them in Megatron's and in this plugin's modules (Megat
 ``dist_all_gather_func`` and friends at import time), so stock Megatron and the plugin run on
 the same link. Bytes are counted per op: if the plugin's bytes per step fall below stock's,
 a transfer escaped the emulation.
+
+With a ``ComputeClock`` attached (``link.clock``, the emulated cluster), a transfer posted right
+after an op leaves when that op ended on the emulated device, and a wait that returns tells
+the clock when its transfer arrived (``lab/compute_clock.py``).
 
 CPU / gloo only: on GPU the real link is the one to measure.
 """
@@ -73,11 +79,12 @@ _REBIND_PREFIXES = ("megatron", "megatron_overlap")
 class _EmuWork:
     """A work handle whose wait() also honours the emulated deadline."""
 
-    def __init__(self, link: "EmulatedLink", real, deadline: float):
+    def __init__(self, link: "EmulatedLink", real, deadline: float, op: str = ""):
         self._link = link
         self._real = real
         self._deadline = deadline
         self._done = False
+        self._op = op
 
     def wait(self, timeout=None):
         if self._done:
@@ -91,7 +98,9 @@ class _EmuWork:
             if left > 0:
                 time.sleep(left)
         self._done = True
-        self._link._blocked(t0, time.perf_counter())
+        self._link._blocked(t0, time.perf_counter(), self._op)
+        if self._link.clock is not None:
+            self._link.clock.resume_at(self._deadline)
         return True
 
     def _arrived(self):
@@ -116,7 +125,7 @@ class _RecvWork(_EmuWork):
     """A receive whose deadline is read off the board once the data is there."""
 
     def __init__(self, link, real, key):
-        super().__init__(link, real, float("inf"))
+        super().__init__(link, real, float("inf"), "irecv")
         self._key = key
 
     def _arrived(self):
@@ -132,7 +141,10 @@ class EmulatedLink:
         self.spec = spec
         self.record_spans = record_spans
         self.stats = LinkStats()
-        self._free_at = 0.0
+        self._free_at: dict = {}  # port -> when it is free
+        self._group_ranks: dict = {}  # id(group) -> its global ranks
+        self.clock = None  # a lab.compute_clock.ComputeClock (the emulated cluster)
+        self.free_channels: tuple = ()  # process groups (``_channel``) whose transfers take no time
         self._originals: dict[str, Callable] = {}
         self._rebound: list = []
         self._local = threading.local()
@@ -145,14 +157,34 @@ class EmulatedLink:
         old, self.stats = self.stats, LinkStats()
         return old
 
-    def _reserve(self, op: str, nbytes: int, messages: int, ops: Optional[list] = None) -> float:
+    def _ranks(self, group) -> tuple:
+        group = group if group is not None else c10d._get_default_group()
+        ranks = self._group_ranks.get(id(group))
+        if ranks is None:
+            ranks = self._group_ranks[id(group)] = tuple(dist.get_process_group_ranks(group))
+        return ranks
+
+    def _reserve(self, op: str, nbytes: int, messages: int, ops: Optional[list] = None, group=None,
+                 ranks: Optional[tuple] = None) -> float:
         """Book the egress port for ``nbytes``; the deadline. ``ops``: the ``(op, bytes)`` to count
-        (default: ``[(op, nbytes)]``; a coalesced batch books once and counts each)."""
+        (default: ``[(op, nbytes)]``; a coalesced batch books once and counts each). ``group``:
+        the process group (its port with ``ports == "group"``); ``ranks``: the global ranks the
+        transfer is among (its tier; default: the group's)."""
         now = time.perf_counter()
-        start = max(now, self._free_at)
-        xfer = nbytes / (self.spec.bandwidth_GBps * 1e9)
-        self._free_at = start + xfer
-        done = start + xfer + messages * self.spec.latency_us * 1e-6
+        spec = self.spec
+        if self.free_channels and self._channel(group) in self.free_channels:
+            for name, counted in ops or [(op, nbytes)]:  # counted, not delayed: a free communicator
+                self.stats.bytes_by_op[name] += counted
+                self.stats.calls_by_op[name] += 1
+            return now
+        port = self._channel(group) if spec.ports == "group" else 0
+        gbps, latency_us, launch_us = spec.tier(ranks if ranks is not None else self._ranks(group)) \
+            if spec.node_size else (spec.bandwidth_GBps, spec.latency_us, spec.launch_us)
+        ready = self.clock.ready(now) if self.clock is not None else now
+        start = max(ready, self._free_at.get(port, 0.0))
+        xfer = nbytes / (gbps * 1e9)
+        self._free_at[port] = start + xfer
+        done = start + xfer + (messages * latency_us + launch_us) * 1e-6
         stats = self.stats
         for name, counted in ops or [(op, nbytes)]:
             stats.bytes_by_op[name] += counted
@@ -162,14 +194,14 @@ class EmulatedLink:
             stats.spans.append(Span(op, nbytes, now, start, done))
         return done
 
-    def _reserve_batch(self, batch: list) -> float:
+    def _reserve_batch(self, batch: list, group=None) -> float:
         """One port booking for a coalesced batch of ``(op, bytes, messages)``; each op's bytes
         counted under its own name."""
         if not batch:
             return time.perf_counter()
         total = sum(nbytes for _op, nbytes, _m in batch)
         return self._reserve("coalesced " + batch[0][0], total, max(m for _op, _b, m in batch),
-                             ops=[(op, nbytes) for op, nbytes, _m in batch])
+                             ops=[(op, nbytes) for op, nbytes, _m in batch], group=group)
 
     def _coalescing_batch(self, group):
         """The open coalescing batch of ``group`` (None: not inside ``_coalescing_manager``)."""
@@ -182,10 +214,12 @@ class EmulatedLink:
                 return batch
         return None
 
-    def _blocked(self, t0: float, t1: float):
+    def _blocked(self, t0: float, t1: float, op: str = ""):
         self.stats.blocked_s += t1 - t0
+        self.stats.blocked_by_op[op] += t1 - t0
         if self.record_spans:
             self.stats.waits.append((t0, t1))
+            self.stats.wait_ops.append(op)
 
     # ---------------------------------------------------------------- wrappers
     def _collective_cost(self, name: str, bound: inspect.BoundArguments) -> tuple[int, int]:
@@ -234,14 +268,15 @@ class EmulatedLink:
                     return original(*bound.args, **bound.kwargs)
                 finally:
                     link._local.inside = False
-            deadline = link._reserve(name, nbytes, messages) if nbytes else time.perf_counter()
+            group = bound.arguments.get("group")
+            deadline = link._reserve(name, nbytes, messages, group=group) if nbytes else time.perf_counter()
             bound.arguments["async_op"] = True
             link._local.inside = True
             try:
                 real = original(*bound.args, **bound.kwargs)
             finally:
                 link._local.inside = False
-            work = _EmuWork(link, real, deadline)
+            work = _EmuWork(link, real, deadline, name)
             if async_op:
                 return work
             work.wait()
@@ -267,16 +302,18 @@ class EmulatedLink:
                 with original(group, device, async_ops) as cm:
                     yield cm
                     stack.pop()
-                    deadline = link._reserve_batch(batch)  # booked as the coalesced op is issued
+                    deadline = link._reserve_batch(batch, group)  # booked as the coalesced op is issued
             finally:
                 if stack and stack[-1][1] is batch:
                     stack.pop()
             if deadline is None or not batch:
                 return
+            op = "coalesced " + batch[0][0]
             if async_ops:
-                cm.works = [_EmuWork(link, work, deadline) for work in cm.works] or [_EmuWork(link, None, deadline)]
+                cm.works = [_EmuWork(link, work, deadline, op) for work in cm.works] or \
+                    [_EmuWork(link, None, deadline, op)]
             else:
-                _EmuWork(link, None, deadline).wait()
+                _EmuWork(link, None, deadline, op).wait()
 
         coalescing.__wrapped__ = original
         return coalescing
@@ -292,9 +329,9 @@ class EmulatedLink:
 
         def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
             peer = dst if group_dst is None else dist.get_global_rank(group or dist.group.WORLD, group_dst)
-            deadline = link._reserve("isend", tensor.nbytes, 1)
+            deadline = link._reserve("isend", tensor.nbytes, 1, group=group, ranks=(link._rank, peer))
             link._board.post(link._rank, peer, tag, deadline, link._channel(group))
-            return _EmuWork(link, original(tensor, dst, group, tag, group_dst), deadline)
+            return _EmuWork(link, original(tensor, dst, group, tag, group_dst), deadline, "isend")
 
         isend.__name__ = "isend"
         isend.__wrapped__ = original

@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 COLORS = {"compute": "#4C72B0", "link": "#DD8452", "blocked": "#C44E52",
-          "forward": "#4C72B0", "backward": "#55A868", "wgrad": "#8172B3"}
+          "forward": "#4C72B0", "backward": "#55A868", "wgrad": "#8172B3", "dp": "#937860", "idle": "#C44E52"}
 LABELS = {"compute": "compute", "link": "link busy (transfer)", "blocked": "blocked on communication",
-          "forward": "F (forward)", "backward": "B (backward; with W unless split)", "wgrad": "W (weight gradients)"}
+          "forward": "F (forward)", "backward": "B (backward; with W unless split)", "wgrad": "W (weight gradients)",
+          "dp": "data-parallel traffic (reduce-scatter, all-gather)", "idle": "idle (no compute)"}
 
 
 @dataclass

@@ -1,0 +1,76 @@
+"""The emulated cluster (issue: scale-lab): PP x DP ranks whose compute is a wait of the cost
+model's times, with the real executor, Megatron's 1F1B, DDP and distributed optimizer around
+them. Checked against the simulator it is meant to reproduce (times, not numerics), and its
+command line's refusals."""
+
+import json
+
+import pytest
+
+from megatron_overlap.lab.cluster import ClusterConfig
+
+from .test_cli import cli
+
+TOLERANCE = 0.05  # the lab check's (BENCHMARKS.md): measured step within 5% of pp/simulate.py
+
+
+def test_the_emulated_cluster_reproduces_the_simulator(pool4):
+    """Llama-3-70B on H100 at PP=2 x DP=2, m=4 (4 ranks of the test pool): stock 1F1B's step
+    within 5% of the simulator's prediction on the same F/B/W, link and DDP buckets; ours too;
+    zb shorter than stock, as the simulator says; every schedule computes the same losses."""
+    from dataclasses import asdict
+
+    from megatron_overlap.cli.bench_cluster import summarize
+    from megatron_overlap.lab.cluster import ClusterRanks
+    from megatron_overlap.lab.session import RemoteSession
+
+    cfg = ClusterConfig(pp=2, dp=2, microbatches=4, steps=2, warmup=1, exposed=False)
+    ranks = RemoteSession(pool4, ClusterRanks, asdict(cfg))
+    try:
+        rounds = ranks.rounds(cfg.warmup, cfg.steps)
+    finally:
+        ranks.close()
+    result = summarize(cfg, rounds, ranks.started, floor_time_s=20)
+    modes = result["modes"]
+    for mode, r in modes.items():
+        assert abs(r["prediction_error"]) <= TOLERANCE, (mode, r["step_ms"], r["predicted_step_ms"])
+    assert modes["zb"]["step_ms"] < modes["stock"]["step_ms"]
+    assert result["losses_identical"] and len(set(modes["stock"]["loss"])) == cfg.steps  # it trains
+    assert modes["zb"]["predicted_step_ms"] < modes["stock"]["predicted_step_ms"]
+    assert result["buckets_per_stage"][0] > 1 and result["buckets_per_stage"][1] == 1  # Megatron's
+    assert result["floor"]["bound_ms"] <= modes["zb"]["predicted_step_ms"] + 1e-6
+
+
+def test_emulated_cluster_refuses_what_it_cannot_run():
+    from megatron_overlap.cli.bench_cluster import BenchError, check
+
+    with pytest.raises(BenchError, match=r"32 emulated ranks \(PP 16 x DP 2\) is more than this machine holds: "
+                                         r"at most 16 \(2 cores x 8 ranks per core"):
+        check(ClusterConfig(pp=16, dp=2, microbatches=16), cores=2, memory_gb=24)
+    with pytest.raises(BenchError, match=r"at most 10 \(6 GB of memory available"):
+        check(ClusterConfig(pp=8, dp=2, microbatches=16), cores=2, memory_gb=6)
+    with pytest.raises(BenchError, match=r"no durations for model 'llama4-9000': the cost model knows .*llama3-70b"):
+        check(ClusterConfig(model="llama4-9000"), cores=2, memory_gb=24)
+    with pytest.raises(BenchError, match=r"no durations for hardware 'b300'"):
+        check(ClusterConfig(hardware="b300"), cores=2, memory_gb=24)
+    with pytest.raises(BenchError, match=r"--node-size 3 does not divide the 8 ranks into nodes"):
+        check(ClusterConfig(node_size=3), cores=2, memory_gb=24)
+    with pytest.raises(BenchError, match=r"--ranks 6 is not --pp 4 x --dp 2 = 8"):
+        check(ClusterConfig(), ranks=6, cores=2, memory_gb=24)
+    with pytest.raises(BenchError, match=r"--microbatches 2 is below --pp 4"):
+        check(ClusterConfig(microbatches=2), cores=2, memory_gb=24)
+    from megatron_overlap.lab.link_spec import LinkSpec
+
+    with pytest.raises(ValueError, match="4 ranks per node does not divide 6 ranks"):
+        LinkSpec(bandwidth_GBps=1.0, node_size=4, intra_GBps=10.0).check_world(6)
+
+
+def test_bench_pp_emulate_command_line():
+    out = cli("bench", "pp", "--emulate", "--model", "gpt5", "--no-progress")
+    assert out.returncode != 0 and "no durations for model 'gpt5'" in out.stderr, out.stderr[-2000:]
+    out = cli("bench", "pp", "--emulate", "--node-size", "3", "--no-progress")
+    assert out.returncode != 0 and "--node-size 3 does not divide the 8 ranks" in out.stderr, out.stderr[-2000:]
+    out = cli("bench", "pp", "--emulate", "--hidden", "64", "--no-progress")
+    assert out.returncode != 0 and "--hidden shape the real tiny GPT" in out.stderr
+    out = cli("bench", "pp", "--dp", "2", "--no-progress")
+    assert out.returncode == 2 and "--dp only apply with --emulate" in out.stderr
