@@ -142,3 +142,49 @@ def test_the_floor_with_the_dp_sync_is_below_every_schedule():
             sched = build(kind, p, m, times=(times[0].f, times[0].b, times[0].w))
             step = simulate(sched, times, link, syncs if kind == "megatron" else ours).step_ms
             assert with_dp.bound_ms <= step + 1e-6, (kind, p, m, with_dp.bound_ms, step)
+
+
+def _megatron_args(**kw):
+    import argparse
+
+    values = dict(hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64, num_query_groups=8,
+                  group_query_attention=True, num_layers=80, seq_length=8192, swiglu=True, padded_vocab_size=128256,
+                  tensor_model_parallel_size=8, pipeline_model_parallel_size=4, context_parallel_size=1,
+                  micro_batch_size=1, global_batch_size=32, use_distributed_optimizer=True, overlap_grad_reduce=True,
+                  overlap_param_gather=True)
+    values.update(kw)
+    return argparse.Namespace(**values)
+
+
+def test_pp_auto_prices_the_dp_sync_as_the_bench_measures_it():
+    """``--overlap-pp auto`` on an H100 with Llama-3-70B's shape, TP=8 x PP=4 x DP=2, 16
+    micro-batches: the cost model's schedules with the DP sync (distributed optimizer,
+    overlap flags as given) pick zb and say the predicted speedup; without a GPU it knows, or
+    without the step's micro-batches, the rule (zb where W can be deferred)."""
+    from megatron_overlap.config import PPConfig, TPConfig
+    from megatron_overlap.pp.checks import resolve_auto
+    from megatron_overlap.tune.auto import predicted_pp_choice
+    from megatron_overlap.tune.models import RunSpec, get_model
+    from megatron_overlap.tune.hardware import get_hardware
+    from megatron_overlap.tune.pipeline import DPOptions, simulate_schedules
+
+    class Ctx:
+        transformer_impl, tp_size = "local", 8
+
+    got = predicted_pp_choice(_megatron_args(), "NVIDIA H100 80GB HBM3", world_size=64)
+    assert got["dp"] == 2 and got["microbatches"] == 16 and got["hardware"] == "h100-sxm"
+    rows = {r.label: r.step_ms for r in simulate_schedules(
+        get_model("llama3-70b"), RunSpec(tp=8, pp=4, dp=2, seq=8192, micro_batches=16), get_hardware("h100-sxm"))}
+    assert got["steps_ms"]["zb"] == pytest.approx(rows["zb (ZB-H1)"], rel=0.02)  # the planner's own figure
+    notes = []
+    picked = resolve_auto(PPConfig(mode="auto"), TPConfig(mode="p2p"), Ctx, notes.append, got)
+    assert picked.mode == "zb" and "predicted 1.1" in notes[0] and "distributed optimizer, overlap_grad_reduce" in notes[0]
+    plain = predicted_pp_choice(_megatron_args(use_distributed_optimizer=False, overlap_param_gather=False),
+                                "NVIDIA H100 80GB HBM3", world_size=64)
+    assert plain["options"] == "all-reduce, overlap_grad_reduce"
+    assert DPOptions(distributed_optimizer=False).describe().startswith("all-reduce")
+    assert predicted_pp_choice(_megatron_args(), None, world_size=64) is None  # no GPU the cost model knows
+    assert predicted_pp_choice(_megatron_args(global_batch_size=None), "H100", world_size=64) is None
+    notes.clear()
+    assert resolve_auto(PPConfig(mode="auto"), TPConfig(mode="p2p"), Ctx, notes.append).mode == "zb"
+    assert "ZB-H1" in notes[0]

@@ -202,7 +202,12 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
     requested = config
     if tp_on:
         config = config.replace(tp=linears.resolve_auto(config.tp, args_or_config if full_args else None, notice))
-    config = config.replace(pp=resolve_pp(config.pp, config.tp, context, notice) if pp_on else
+    predicted = None
+    if pp_on and config.pp.mode == "auto" and full_args:
+        from ..tune.auto import predicted_pp_choice
+
+        predicted = predicted_pp_choice(args_or_config, linears._cuda_device_name())
+    config = config.replace(pp=resolve_pp(config.pp, config.tp, context, notice, predicted) if pp_on else
                             config.pp.replace(mode="off", explicit=frozenset()))
     inst = Installation(config, context, requested, ring_options)
     inst.tp_overlap = config.tp.enabled and tp_on

@@ -47,11 +47,23 @@ def split_unavailable(tp, ctx):
     return None
 
 
-def resolve_auto(pp, tp, ctx, notice):
-    """``auto``: ``zb`` where W can be deferred, else ``1f1b``."""
+def resolve_auto(pp, tp, ctx, notice, predicted=None):
+    """``auto``: the faster of ``1f1b`` and ``zb`` by the cost model (``predicted``:
+    ``tune.auto.predicted_pp_choice``, its DP sync priced as the emulated cluster measures it),
+    ``zb`` only where W can be deferred; without a prediction ``zb`` where it can, else
+    ``1f1b``."""
     if pp.mode != "auto":
         return pp
     reason = split_unavailable(tp, ctx)
+    if predicted is not None:
+        steps = predicted["steps_ms"]
+        mode = "1f1b" if reason or steps["1f1b"] <= steps["zb"] else "zb"
+        stock = steps["off"]
+        notice(f"`pp.mode` auto: {mode}, predicted {stock / steps[mode]:.2f}x over stock 1F1B (simulated on "
+               f"{predicted['hardware']}, DP={predicted['dp']}, {predicted['microbatches']} micro-batches, "
+               f"{predicted['options']}; zb {stock / steps['zb']:.2f}x, 1f1b {stock / steps['1f1b']:.2f}x)"
+               + (f"; no B/W split: it needs {reason.split(':')[0]}" if reason else ""))
+        return pp.replace(mode=mode)
     mode = "1f1b" if reason else "zb"
     notice(f"`pp.mode` auto: {mode}" + (f" (no B/W split: it needs {reason.split(':')[0]})" if reason else
                                          " (B/W split, ZB-H1: 1F1B's peak activation memory)"))

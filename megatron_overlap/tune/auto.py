@@ -69,3 +69,39 @@ def _model_and_run(args):
                   pp=getattr(args, "pipeline_model_parallel_size", 1) or 1, seq=args.seq_length,
                   micro_batch=getattr(args, "micro_batch_size", 1) or 1)
     return model, run
+
+
+def predicted_pp_choice(args, device: Optional[str], world_size: Optional[int] = None):
+    """What ``--overlap-pp auto`` runs when the cost model can answer: each of our schedules
+    and stock 1F1B simulated for the model and pipeline in Megatron's ``args`` on this GPU,
+    the data-parallel sync priced as the emulated cluster measures it (Megatron's DDP buckets,
+    the distributed optimizer and its overlap flags as given), or None without a known GPU,
+    the model's dimensions, PP > 1 or the micro-batches per step (``global_batch_size``)."""
+    import os
+
+    spec = hardware_for_device(device)
+    needed = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_layers", "seq_length",
+              "global_batch_size")
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if spec is None or pp < 2 or any(getattr(args, n, None) is None for n in needed):
+        return None
+    from dataclasses import replace
+
+    from .hardware import get_hardware
+    from .pipeline import DPOptions, simulate_schedules
+
+    model, run = _model_and_run(args)
+    world = world_size or int(os.environ.get("WORLD_SIZE", "0") or 0)
+    dp = getattr(args, "data_parallel_size", None) or (world // (run.tp * run.cp * pp) if world else 0)
+    if not dp:
+        return None
+    m = args.global_batch_size // (run.micro_batch * dp)
+    if m < pp:
+        return None
+    options = DPOptions(distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+                        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+                        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)))
+    rows = simulate_schedules(model, replace(run, dp=dp, micro_batches=m), get_hardware(spec), dp_options=options)
+    steps = {"off" if r.label.startswith("stock") else "zb" if r.label.startswith("zb") else "1f1b": r.step_ms
+             for r in rows if "in flight" not in r.label}
+    return {"steps_ms": steps, "options": options.describe(), "dp": dp, "microbatches": m, "hardware": spec}

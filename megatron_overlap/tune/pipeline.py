@@ -51,6 +51,24 @@ SCHEDULES = (
 
 
 @dataclass(frozen=True)
+class DPOptions:
+    """How Megatron DDP syncs the data-parallel replicas (Megatron-LM's flags): the distributed
+    optimizer (``--use-distributed-optimizer``: gradients reduce-scattered, parameters
+    all-gathered; else all-reduced), ``--overlap-grad-reduce`` (buckets reduced during the
+    backward; else one reduction after it), ``--overlap-param-gather`` (parameters gathered by
+    the next forward; else inside the optimizer step, outside the schedule)."""
+
+    distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+
+    def describe(self) -> str:
+        return ("distributed optimizer" if self.distributed_optimizer else "all-reduce") + \
+            (", overlap_grad_reduce" if self.overlap_grad_reduce else "") + \
+            (", overlap_param_gather" if self.distributed_optimizer and self.overlap_param_gather else "")
+
+
+@dataclass(frozen=True)
 class PipelineCosts:
     times: List[StageTimes]
     transfer_ms: float
@@ -137,29 +155,31 @@ def stage_work(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = Strategy
     return out
 
 
-def dp_syncs(work: List[List[BlockWork]], run: RunSpec, hw, distributed_optimizer: bool = True,
-             overlap_grad_reduce: bool = True, gather_at_start: bool = False) -> List[DPSync]:
+def dp_syncs(work: List[List[BlockWork]], run: RunSpec, hw, options: DPOptions = DPOptions(),
+             gather_at_start: bool = False) -> List[DPSync]:
     """Each stage's data-parallel traffic in Megatron DDP's buckets (``pp/buckets.py``): fp32
     gradients reduce-scattered (distributed optimizer) or all-reduced, bf16 parameters
     all-gathered for the next step's forward (distributed optimizer with
-    ``overlap_param_gather``), over the DP x CP group's fabric."""
+    ``overlap_param_gather``), over the DP x CP group's fabric. Without ``overlap_grad_reduce``
+    one reduction runs after the stage's last action."""
     ranks = run.dp * run.cp
     if ranks <= 1:
         return [DPSync() for _ in work]
     link = hw.link_for(run.tp * run.cp * run.dp)
     out = []
     for stage, params in enumerate(stage_params(work)):
-        sizes = buckets(params, stage_bucket_size(ranks, stage, overlap_grad_reduce))
-        reduce = reduce_scatter_cost if distributed_optimizer else all_reduce_cost
+        sizes = buckets(params, stage_bucket_size(ranks, stage, options.overlap_grad_reduce))
+        reduce = reduce_scatter_cost if options.distributed_optimizer else all_reduce_cost
         rs = [reduce(4.0 * n, ranks, link) for n in sizes]
-        ag = [all_gather_cost(hw.dtype_bytes * n, ranks, link) for n in reversed(sizes)] if distributed_optimizer \
-            else []
+        ag = [all_gather_cost(hw.dtype_bytes * n, ranks, link) for n in reversed(sizes)] \
+            if options.distributed_optimizer and options.overlap_param_gather else []
         out.append(DPSync(reduce_ms=tuple(c.busy_ms for c in rs), gather_ms=tuple(c.busy_ms for c in ag),
                           latency_ms=rs[0].latency_ms, gather_at_start=gather_at_start))
     return out
 
 
-def stage_costs(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = Strategy("megatron")) -> PipelineCosts:
+def stage_costs(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = Strategy("megatron"),
+                dp_options: DPOptions = DPOptions()) -> PipelineCosts:
     work = stage_work(model, run, hw, strategy)
     times = stage_times(work)
     link = hw.link_for(run.tp * run.pp)  # neighbouring stages: across nodes once TP x PP exceeds one
@@ -168,14 +188,15 @@ def stage_costs(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = Strateg
     per_stage = math.ceil(model.layers / run.pp)
     act = per_stage * layer_activation_bytes(run.seq, run.micro_batch, model.hidden, model.heads, run.tp, run.cp,
                                              hw.dtype_bytes, flash=True)
-    return PipelineCosts(times, transfer, 0.0, dp_syncs(work, run, hw), act, work, nbytes)
+    return PipelineCosts(times, transfer, 0.0, dp_syncs(work, run, hw, dp_options), act, work, nbytes)
 
 
-def simulate_schedules(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = Strategy("megatron")) -> list:
+def simulate_schedules(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = Strategy("megatron"),
+                       dp_options: DPOptions = DPOptions()) -> list:
     """Every schedule of ``SCHEDULES`` simulated for this model and layout (stock first), with
     the data-parallel sync priced as the emulated cluster measures it: Megatron's buckets, its
     parameter gather at the first forward for stock, at the step's start for ours."""
-    costs = stage_costs(model, run, hw, strategy)
+    costs = stage_costs(model, run, hw, strategy, dp_options)
     p, m = run.pp, run.micro_batches
     link, free = LinkCost(transfer_ms=costs.transfer_ms), LinkCost()
     out = []
