@@ -186,10 +186,18 @@ def test_fork_diffs_touch_only_parse_args():
 def test_demo_end_to_end(tmp_path):
     traces = tmp_path / "traces"
     out = cli("demo", "--steps", "3", "--warmup", "1", "--seq", "256", "--hidden", "256",
-              "--no-progress", "--json", "--out", str(tmp_path), "--trace", str(traces), timeout=900)
+              "--no-progress", "--json", "--out", str(tmp_path), "--trace", str(traces),
+              "--cluster", "2x2x4", "--cluster-model", "llama3-8b", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(result) == {"config", "link", "baseline", "overlap"}
+    assert set(result) == {"config", "link", "baseline", "overlap", "cluster"}
+    # the second part: the emulated cluster (PP=2 x DP=2 here; 8 x 2 by default), every schedule's
+    # losses equal, the limit and the floor below every measured step, the simulator beside it
+    cluster = result["cluster"]
+    assert cluster["losses_identical"] and set(cluster["modes"]) == {"stock", "1f1b", "zb"}
+    assert all(cluster["limit_ms"] < r["step_ms"] and cluster["floor"]["bound_ms"] < r["step_ms"] * 1.01
+               for r in cluster["modes"].values())
+    assert "pipelines at scale, emulated" in out.stdout and "limit (the busiest stage's compute alone" in out.stdout
     for mode in ("baseline", "overlap"):
         assert set(result[mode]) >= {"losses", "step_ms", "exposed_comm_ms"}
         assert len(result[mode]["losses"]) == 3
@@ -360,6 +368,9 @@ def test_demo_layout_is_one_rank_per_core_and_says_so():
     (["--hdp-max-tokens-per-rank", "64"], "--hdp-max-tokens-per-rank only applies with --hdp"),
     (["--hdp", "--tp", "4"], "demo --hdp runs 4 ranks as TP 1 x HDP 4 or TP 2 x HDP 2; --tp 4 is neither"),
     (["--cp", "2", "--overlap-tp-chunks", "4"], "runs with TP=1 (no TP overlap), so --overlap-tp-chunks"),
+    (["--hdp", "--cluster", "2x2x4"], "does not read --cluster"),
+    (["--cluster", "2by2"], "--cluster '2by2': give PPxDPxM"),
+    (["--cluster", "32x4x32"], "128 emulated ranks (PP 32 x DP 4) is more than this machine holds"),
 ])
 def test_demo_modes_refuse_flags_they_do_not_use(flags, words):
     out = cli("demo", *flags, timeout=120)

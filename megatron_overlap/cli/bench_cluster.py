@@ -49,7 +49,7 @@ class BenchError(SystemExit):
     """A refused command line: the message names what to change."""
 
     def __init__(self, message: str):
-        super().__init__(f"bench pp --emulate: {message}")
+        super().__init__(f"the emulated cluster (bench pp --emulate, demo --cluster): {message}")
 
 
 def capacity(cores: int = 0, memory_gb: float = 0.0) -> tuple:

@@ -18,6 +18,10 @@ GEMMs, with TP > 1). That CP training equals training without CP is shown by the
 
 ``--pp N``: the tiny GPT over an N-stage pipeline, stock 1F1B against ``--overlap-pp zb``
 (``cli/demo_pp.py``).
+
+Then, unless ``--cluster off``: pipelines with data parallelism at scale on the emulated
+cluster (``cli/demo_cluster.py``), PP=8 x DP=2 = 16 ranks on this machine, stock 1F1B against
+ours (``--cluster PPxDPxM``, ``--cluster-model``).
 """
 
 
@@ -208,6 +212,7 @@ def cpu_cores() -> int:
 
 # Flags that only the TP / CP demo reads (dest names), and those that only TP overlap reads.
 _TRAINING_FLAGS = ("steps", "warmup", "world", "tp", "seq", "hidden", "layers", "bandwidth_GBps", "comm_ratio",
+                   "cluster", "cluster_model",
                    "latency_us", "chunks", "rs", "bidirectional", "cp", "overlap_cp", "cp_a2a_size", "out",
                    "trace_dir")
 _TP_FLAGS = {"chunks": "--overlap-tp-chunks", "rs": "--overlap-tp-rs", "bidirectional": "--overlap-tp-bidirectional"}
@@ -295,6 +300,11 @@ def add_demo_args(parser: argparse.ArgumentParser):
     parser.add_argument("--trace", dest="trace_dir", default=None, metavar="DIR",
                         help="also write per-rank Chrome traces of the last step (both modes) to DIR; "
                         "`megatron-overlap report DIR` draws them")
+    from .demo_cluster import DEFAULT
+
+    parser.add_argument("--cluster", default=None, metavar="PPxDPxM",
+                        help=f"then pipelines at scale on the emulated cluster (default {DEFAULT}: 16 ranks); off: skip")
+    parser.add_argument("--cluster-model", default=None, help="the emulated cluster's model (default llama3-70b)")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -312,11 +322,23 @@ def main(args) -> int:
         if args.json:
             print(json.dumps(result))
         return 0
+    from .demo_cluster import DEFAULT, cluster_config, format_cluster_part, parse_cluster, run_cluster_part
+
+    cluster = parse_cluster(args.cluster if args.cluster is not None else (DEFAULT if args.cp in (None, 1) else "off"))
+    if cluster is not None:  # refused now, not after the first part
+        cluster = cluster_config(cluster, model=args.cluster_model or "llama3-70b", steps=args.steps or 4)
     cfg, header = configure(args, cpu_cores())
     print(header, flush=True)
     result = run(cfg, out_dir=args.out or "runs/demo", progress=not args.no_progress)
     print(format_table(result))
+    out = {k: result[k] for k in ("config", "link", "baseline", "overlap")}
+    if cluster is not None:
+        print("", flush=True)
+        part = run_cluster_part(cluster, progress=not args.no_progress)
+        print(format_cluster_part(part))
+        out["cluster"] = {k: v for k, v in part.items() if k not in ("timeline_png",)}
+        for r in out["cluster"]["modes"].values():
+            r.pop("simulation", None)
     if args.json:
-        keys = ("config", "link", "baseline", "overlap")
-        print(json.dumps({k: result[k] for k in keys}))
+        print(json.dumps(out, default=str))
     return 0
