@@ -173,6 +173,7 @@ def test_pp_auto_prices_the_dp_sync_as_the_bench_measures_it():
 
     got = predicted_pp_choice(_megatron_args(), "NVIDIA H100 80GB HBM3", world_size=64)
     assert got["dp"] == 2 and got["microbatches"] == 16 and got["hardware"] == "h100-sxm"
+    assert len(got["placement"]) == 3  # zb then places its weight gradients for these (the install sets them)
     rows = {r.label: r.step_ms for r in simulate_schedules(
         get_model("llama3-70b"), RunSpec(tp=8, pp=4, dp=2, seq=8192, micro_batches=16), get_hardware("h100-sxm"))}
     assert got["steps_ms"]["zb"] == pytest.approx(rows["zb (ZB-H1)"], rel=0.02)  # the planner's own figure
@@ -188,3 +189,21 @@ def test_pp_auto_prices_the_dp_sync_as_the_bench_measures_it():
     notes.clear()
     assert resolve_auto(PPConfig(mode="auto"), TPConfig(mode="p2p"), Ctx, notes.append).mode == "zb"
     assert "ZB-H1" in notes[0]
+
+
+def test_zb_places_its_weight_gradients_for_the_best_simulated_times():
+    """``placement_times``: of the stages' own F/B/W ratio and the fixed candidates, the one
+    whose zb schedule simulates fastest with the DP sync; never slower than any candidate."""
+    from megatron_overlap.pp.build import PLACEMENTS, placement_times
+
+    rng = random.Random(5)
+    for _ in range(6):
+        p, m = rng.choice([(3, 6), (4, 8), (4, 12)])
+        times = [StageTimes(10.0, 10.5, rng.uniform(3, 10)) for _ in range(p)]
+        link = LinkCost(transfer_ms=rng.uniform(0.1, 2))
+        dp = [DPSync(reduce_ms=(rng.uniform(5, 30),), gather_ms=(3.0,), gather_at_start=True) for _ in range(p)]
+        best = placement_times(times, m, link, dp)
+        step = simulate(build("zb", p, m, times=best), times, link, dp).step_ms
+        own = tuple(sum(getattr(t, k) for t in times) / p for k in "fbw")
+        for cand in (own,) + PLACEMENTS:
+            assert step <= simulate(build("zb", p, m, times=cand), times, link, dp).step_ms + 1e-6

@@ -140,17 +140,18 @@ def run(cfg: ClusterConfig, progress: bool = True, timeline_png: str = "", floor
 def predict(cfg: ClusterConfig, described: list) -> dict:
     """The simulator on this run: the cost model's F/B/W and link, each stage's DDP buckets as
     the ranks built them."""
-    from ..lab.cluster import modelled
+    from ..lab.cluster import modelled, placement
     from ..pp import build
     from ..pp.simulate import LinkCost, simulate
 
     costs, _run, hw = modelled(cfg)
     syncs = stage_syncs(cfg, costs, described, hw)
     link, free = LinkCost(transfer_ms=costs.transfer_ms), LinkCost()
+    times = placement(cfg, costs)  # the schedule the executor runs
     out = {}
     for mode in cfg.modes:
         kind = KINDS[mode]
-        schedule = build(kind, cfg.pp, cfg.microbatches, times=(costs.times[0].f, costs.times[0].b, costs.times[0].w))
+        schedule = build(kind, cfg.pp, cfg.microbatches, times=times if kind == "zb" else (1.0, 1.0, 1.0))
         dp = syncs if kind == "megatron" else [d.replace(gather_at_start=True) for d in syncs]
         on = simulate(schedule, costs.times, link, dp)
         no_dp = simulate(schedule, costs.times, link)

@@ -91,6 +91,9 @@ class Installation:
         self.tp = None  # tp.plan.TPPlanner while TP overlap runs
         self.tp_overlap = False  # whether the linears run TP overlap
         self.pp_observer = None  # (stage, action, start, end) after each pipeline action (benchmarks)
+        # (F, B, W) zb places its weight gradients for (None: all equal); from the cost model at
+        # install when it knows the model and GPU (``pp.build.placement_times``)
+        self.pp_times = None
         # how often each patched path took over a call (tests and diagnostics: proof it ran)
         self.calls = collections.Counter()
         self.wgrad = None  # tp.wgrad_store.WgradStore while TP overlap runs
@@ -203,13 +206,17 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
     if tp_on:
         config = config.replace(tp=linears.resolve_auto(config.tp, args_or_config if full_args else None, notice))
     predicted = None
-    if pp_on and config.pp.mode == "auto" and full_args:
+    if pp_on and config.pp.mode in ("auto", "zb") and full_args:
         from ..tune.auto import predicted_pp_choice
 
         predicted = predicted_pp_choice(args_or_config, linears._cuda_device_name())
     config = config.replace(pp=resolve_pp(config.pp, config.tp, context, notice, predicted) if pp_on else
                             config.pp.replace(mode="off", explicit=frozenset()))
     inst = Installation(config, context, requested, ring_options)
+    if predicted is not None and config.pp.mode == "zb":
+        inst.pp_times = predicted["placement"]
+        notice(f"`pp.mode` zb: weight gradients placed for F/B/W = {'/'.join(f'{x:g}' for x in inst.pp_times)} "
+               f"(the cost model's best placement on {predicted['hardware']})")
     inst.tp_overlap = config.tp.enabled and tp_on
     try:
         if inst.tp_overlap or config.pp.split:

@@ -140,7 +140,7 @@ class _Run:
         self.recv_shape, self.send_shape = tuple(recv[0]), tuple(send[0])
         pp = self.inst.config.pp
         inflight = _inflight(pp, self.p, self.m, self.config, seq_length, micro_batch_size)
-        self.schedule = _schedule(pp.mode, self.p, self.m, inflight, self.forward_only)
+        self.schedule = _schedule(pp.mode, self.p, self.m, inflight, self.forward_only, self.inst.pp_times)
         self.store = self.inst.wgrad if self.schedule.split else None
         self.drain, self.last_b, self.trailing_w = _drain_plan(self.schedule, self.stage)
 
@@ -327,8 +327,10 @@ class _GradSync:
 
 
 @functools.lru_cache(maxsize=64)
-def _schedule(mode, p, m, inflight, forward_only):
-    return build(mode, p, m, inflight, forward_only=forward_only)
+def _schedule(mode, p, m, inflight, forward_only, times=None):
+    """The schedule the executor runs: ``times``, the (F, B, W) a split schedule places its
+    weight gradients for (``Installation.pp_times``; None: all equal)."""
+    return build(mode, p, m, inflight, forward_only=forward_only, times=times or (1.0, 1.0, 1.0))
 
 
 def _inflight(pp, p, m, config, seq_length, micro_batch_size) -> int:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 MODES = ("stock", "1f1b", "zb")
-TARGET_ELEMENTS = 2_000_000  # parameter elements of the largest stage after scaling (memory, gloo's copies)
+TARGET_ELEMENTS = 500_000  # parameter elements of the largest stage after scaling: gloo moves real bytes with real CPU
 VARIANTS = ("link", "dp free", "free")
 
 
@@ -78,6 +78,15 @@ def modelled(cfg: ClusterConfig):
     run = RunSpec(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, seq=cfg.seq, micro_batch=cfg.micro_batch,
                   micro_batches=cfg.microbatches)
     return stage_costs(model, run, hw), run, hw
+
+
+def placement(cfg: ClusterConfig, costs) -> tuple:
+    """The (F, B, W) zb places its weight gradients for, as the install computes it on the
+    modelled GPU (``pp.build.placement_times`` on the cost model's times and DP sync)."""
+    from ..pp.build import placement_times
+    from ..pp.simulate import LinkCost
+
+    return placement_times(costs.times, cfg.microbatches, LinkCost(transfer_ms=costs.transfer_ms), costs.dp_ours())
 
 
 def choose_scale(costs, target: int = TARGET_ELEMENTS) -> float:
@@ -190,6 +199,7 @@ class ClusterRanks:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         costs, _run, hw = modelled(cfg)
         self.costs = costs
+        self.placement = placement(cfg, costs)
         self.scale = cfg.scale or choose_scale(costs)
         self.shape = EmulatedShape.for_bytes(costs.transfer_bytes, cfg.micro_batch, self.scale)
         self.blocks = costs.work[self.stage]
@@ -218,13 +228,19 @@ class ClusterRanks:
 
     # -- one step -------------------------------------------------------------------------------
     def _install(self, mode: str):
+        """Stock, or ours as ``install`` sets it up on the modelled GPU: zb's weight gradients
+        placed for the cost model's times (``placement``, what the install computes from
+        Megatron's arguments there)."""
         import megatron_overlap
         from ..config import OverlapConfig, PPConfig
 
         megatron_overlap.uninstall()
         if mode == "stock":
             return None
-        return megatron_overlap.install(OverlapConfig(pp=PPConfig(mode=mode)))
+        inst = megatron_overlap.install(OverlapConfig(pp=PPConfig(mode=mode)))
+        if mode == "zb":
+            inst.pp_times = self.placement
+        return inst
 
     def _step(self, mode: str, step: int, record: bool = False) -> dict:
         from megatron.core import parallel_state, pipeline_parallel

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from typing import List, Optional, Tuple
 
-SLACK_S = 0.002  # host overhead between two ops a device queue hides (an assumption: a few launches)
+SLACK_S = 0.005  # host lateness between two ops a device queue hides (an assumption: a queue a few ops deep)
 AHEAD_S = 0.005  # how far the host may run ahead of the device (an assumption: a shallow queue)
 
 

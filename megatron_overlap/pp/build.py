@@ -68,3 +68,28 @@ def build(kind: str, stages: int, microbatches: int, inflight: int = 0, w_share:
                         forward_only=forward_only, drain=drains)
     validate(schedule)
     return schedule
+
+
+# W placements tried for a split schedule (``times`` for ``split_order``'s list scheduling):
+# the stages' own ratio, W as long as F, W half of F (a transformer layer's weight-gradient
+# GEMMs are about half of its backward's work). The greedy placement is not monotone in how
+# close the assumed times are to the real ones, so each is simulated and the best kept.
+PLACEMENTS = ((1.0, 1.0, 1.0), (1.0, 1.0, 0.5))
+
+
+def placement_times(stage_times, microbatches: int, link=None, dp=(), inflight: int = 0) -> tuple:
+    """The (F, B, W) to build ``zb``'s W placement with, for stages that take ``stage_times``
+    on ``link`` with data-parallel sync ``dp`` (``pp/simulate.py``): of the stages' own ratio
+    (their means) and ``PLACEMENTS``, the one whose schedule simulates fastest (ties: the
+    earliest listed, the stages' own first)."""
+    from .simulate import LinkCost, simulate
+
+    p = len(stage_times)
+    own = (sum(t.f for t in stage_times) / p, sum(t.b for t in stage_times) / p, sum(t.w for t in stage_times) / p)
+    best = None
+    for times in (own,) + PLACEMENTS:
+        step = simulate(build("zb", p, microbatches, inflight, times=times), stage_times, link or LinkCost(),
+                        dp).step_ms
+        if best is None or step < best[0] - 1e-9:
+            best = (step, tuple(round(x, 3) for x in times))
+    return best[1]

@@ -75,7 +75,8 @@ def predicted_pp_choice(args, device: Optional[str], world_size: Optional[int] =
     """What ``--overlap-pp auto`` runs when the cost model can answer: each of our schedules
     and stock 1F1B simulated for the model and pipeline in Megatron's ``args`` on this GPU,
     the data-parallel sync priced as the emulated cluster measures it (Megatron's DDP buckets,
-    the distributed optimizer and its overlap flags as given), or None without a known GPU,
+    the distributed optimizer and its overlap flags as given), and the (F, B, W) zb should
+    place its weight gradients for (``pp.build.placement_times``); or None without a known GPU,
     the model's dimensions, PP > 1 or the micro-batches per step (``global_batch_size``)."""
     import os
 
@@ -101,7 +102,16 @@ def predicted_pp_choice(args, device: Optional[str], world_size: Optional[int] =
     options = DPOptions(distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
                         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
                         overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)))
-    rows = simulate_schedules(model, replace(run, dp=dp, micro_batches=m), get_hardware(spec), dp_options=options)
+    from ..pp.build import placement_times
+    from ..pp.simulate import LinkCost
+    from .pipeline import stage_costs
+
+    run = replace(run, dp=dp, micro_batches=m)
+    hw = get_hardware(spec)
+    costs = stage_costs(model, run, hw, dp_options=options)
+    placement = placement_times(costs.times, m, LinkCost(transfer_ms=costs.transfer_ms), costs.dp_ours())
+    rows = simulate_schedules(model, run, hw, dp_options=options, placement=placement)
     steps = {"off" if r.label.startswith("stock") else "zb" if r.label.startswith("zb") else "1f1b": r.step_ms
              for r in rows if "in flight" not in r.label}
-    return {"steps_ms": steps, "options": options.describe(), "dp": dp, "microbatches": m, "hardware": spec}
+    return {"steps_ms": steps, "options": options.describe(), "dp": dp, "microbatches": m, "hardware": spec,
+            "placement": placement}

@@ -192,10 +192,14 @@ def stage_costs(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = Strateg
 
 
 def simulate_schedules(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = Strategy("megatron"),
-                       dp_options: DPOptions = DPOptions()) -> list:
+                       dp_options: DPOptions = DPOptions(), placement=None) -> list:
     """Every schedule of ``SCHEDULES`` simulated for this model and layout (stock first), with
     the data-parallel sync priced as the emulated cluster measures it: Megatron's buckets, its
-    parameter gather at the first forward for stock, at the step's start for ours."""
+    parameter gather at the first forward for stock, at the step's start for ours. ``zb``
+    places its weight gradients as the executor will (``placement``: the (F, B, W) it is given;
+    None: ``pp.build.placement_times`` on these costs, what the install computes)."""
+    from ..pp.build import placement_times
+
     costs = stage_costs(model, run, hw, strategy, dp_options)
     p, m = run.pp, run.micro_batches
     link, free = LinkCost(transfer_ms=costs.transfer_ms), LinkCost()
@@ -204,7 +208,9 @@ def simulate_schedules(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = 
         if kind != "megatron" and m < p:
             continue
         k = min(m, 2 * p - 1) if inflight == "2p-1" else 0
-        schedule = build(kind, p, m, k, times=(costs.times[0].f, costs.times[0].b, costs.times[0].w))
+        if kind == "zb" and placement is None:
+            placement = placement_times(costs.times, m, link, costs.dp_ours())
+        schedule = build(kind, p, m, k, times=placement or (1.0, 1.0, 1.0))
         dp = costs.dp if kind == "megatron" else costs.dp_ours()
         on_link = simulate_pipeline(schedule, costs.times, link, dp)
         no_dp = simulate_pipeline(schedule, costs.times, link)
