@@ -36,10 +36,11 @@ import statistics
 import sys
 from dataclasses import asdict, fields, replace
 
-from ..lab.cluster import MODES, ClusterConfig
+from ..lab.cluster import ALL_MODES, MODES, ClusterConfig
 
-NAMES = {"stock": "stock Megatron 1F1B", "1f1b": "1f1b (async P2P)", "zb": "zb (ZB-H1, drained)"}
-KINDS = {"stock": "megatron", "1f1b": "1f1b", "zb": "zb"}
+NAMES = {"stock": "stock Megatron 1F1B", "1f1b": "1f1b (async P2P)", "zb": "zb (ZB-H1, drained)",
+         "1f1b-inflight": "1f1b, K = 2p-1"}
+KINDS = {"stock": "megatron", "1f1b": "1f1b", "zb": "zb", "1f1b-inflight": "1f1b"}
 RANKS_PER_CORE = 8  # emulated ranks one core serves with their wake-ups on time (BENCHMARKS.md, the lab check)
 RANK_MEMORY_GB = 0.6  # resident memory one emulated rank adds (measured ~0.35 GB; margin for gloo's buffers)
 FLOOR_MEMORY = 1.05
@@ -93,6 +94,10 @@ def check(cfg: ClusterConfig, ranks: int = 0, cores: int = 0, memory_gb: float =
     if cfg.hardware not in HARDWARE:
         raise BenchError(f"no durations for hardware {cfg.hardware!r}: the cost model knows "
                          f"{', '.join(sorted(HARDWARE))}")
+    from ..tune.strategies import STRATEGIES
+
+    if cfg.tp_strategy not in STRATEGIES:
+        raise BenchError(f"--tp-strategy {cfg.tp_strategy!r}: the cost model knows {', '.join(STRATEGIES)}")
     if not 0 <= cfg.scale <= 1:
         raise BenchError(f"--scale {cfg.scale:g} must be in (0, 1] (0: chosen), the factor on every byte")
     most, why = capacity(cores, memory_gb)
@@ -151,7 +156,8 @@ def predict(cfg: ClusterConfig, described: list) -> dict:
     out = {}
     for mode in cfg.modes:
         kind = KINDS[mode]
-        schedule = build(kind, cfg.pp, cfg.microbatches, times=times if kind == "zb" else (1.0, 1.0, 1.0))
+        k = min(cfg.microbatches, 2 * cfg.pp - 1) if mode == "1f1b-inflight" else 0
+        schedule = build(kind, cfg.pp, cfg.microbatches, k, times=times if kind == "zb" else (1.0, 1.0, 1.0))
         dp = syncs if kind == "megatron" else [d.replace(gather_at_start=True) for d in syncs]
         on = simulate(schedule, costs.times, link, dp)
         no_dp = simulate(schedule, costs.times, link)
@@ -358,11 +364,14 @@ def add_emulate_args(parser) -> None:
                    help="emulated ranks per node: a two-tier link (default: GPUs per node / TP)")
     g.add_argument("--no-exposed", action="store_true",
                    help="skip the DP-free and free-link repeats (no exposed P2P / DP columns; 3x faster)")
-    g.add_argument("--schedules", default=None, help=f"comma-separated, of {', '.join(MODES)} (default all)")
+    g.add_argument("--schedules", default=None,
+                   help=f"comma-separated, of {', '.join(ALL_MODES)} (default {','.join(MODES)})")
+    g.add_argument("--tp-strategy", default=None,
+                   help="the TP strategy inside each stage the cost model times (default megatron: stock TP)")
     g.add_argument("--floor-time-limit", type=float, default=120.0, help="CP-SAT seconds for the floor")
 
 
-EMULATE_ONLY = ("dp", "ranks", "model", "hardware", "tp", "scale", "node_size", "schedules")
+EMULATE_ONLY = ("dp", "ranks", "model", "hardware", "tp", "scale", "node_size", "schedules", "tp_strategy")
 REAL_ONLY = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "comm_ratio", "latency_us")
 
 
@@ -377,7 +386,7 @@ def emulate_main(args) -> int:
     for name, attr in (("pp", "pp"), ("microbatches", "microbatches"), ("steps", "steps"), ("warmup", "warmup"),
                        ("dp", "dp"), ("model", "model"), ("hardware", "hardware"), ("tp", "tp"),
                        ("scale", "scale"), ("node_size", "node_size"), ("seq", "seq"),
-                       ("micro_batch", "micro_batch")):
+                       ("micro_batch", "micro_batch"), ("tp_strategy", "tp_strategy")):
         v = getattr(args, attr, None)
         if v is not None:
             values[name] = v
@@ -386,9 +395,9 @@ def emulate_main(args) -> int:
     values["exposed"] = not args.no_exposed
     if args.schedules:
         modes = tuple(x.strip() for x in args.schedules.split(",") if x.strip())
-        bad = [m for m in modes if m not in MODES]
+        bad = [m for m in modes if m not in ALL_MODES]
         if bad or not modes:
-            raise BenchError(f"--schedules {args.schedules!r}: choose from {', '.join(MODES)}")
+            raise BenchError(f"--schedules {args.schedules!r}: choose from {', '.join(ALL_MODES)}")
         values["modes"] = modes
     cfg = ClusterConfig(**values)
     check(cfg, ranks=args.ranks or 0)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 MODES = ("stock", "1f1b", "zb")
+ALL_MODES = MODES + ("1f1b-inflight",)  # 1f1b with K = 2p - 1 micro-batches in flight (asked for by name)
 TARGET_ELEMENTS = 500_000  # parameter elements of the largest stage after scaling: gloo moves real bytes with real CPU
 VARIANTS = ("link", "dp free", "free")
 
@@ -57,6 +58,7 @@ class ClusterConfig:
     scale: float = 0.0
     node_size: int = 0
     distributed_optimizer: bool = True
+    tp_strategy: str = "megatron"  # the TP strategy inside each stage whose times the cost model gives
     steps: int = 4
     warmup: int = 1
     exposed: bool = True
@@ -74,10 +76,12 @@ def modelled(cfg: ClusterConfig):
     from ..tune.models import RunSpec, get_model
     from ..tune.pipeline import stage_costs
 
+    from ..tune.strategies import Strategy
+
     model, hw = get_model(cfg.model), get_hardware(cfg.hardware)
     run = RunSpec(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, seq=cfg.seq, micro_batch=cfg.micro_batch,
                   micro_batches=cfg.microbatches)
-    return stage_costs(model, run, hw), run, hw
+    return stage_costs(model, run, hw, Strategy(cfg.tp_strategy)), run, hw
 
 
 def placement(cfg: ClusterConfig, costs) -> tuple:
@@ -237,7 +241,12 @@ class ClusterRanks:
         megatron_overlap.uninstall()
         if mode == "stock":
             return None
-        inst = megatron_overlap.install(OverlapConfig(pp=PPConfig(mode=mode)))
+        if mode == "1f1b-inflight":
+            k = min(self.cfg.microbatches, 2 * self.cfg.pp - 1)
+            pp = PPConfig(mode="1f1b", max_inflight=k, explicit=frozenset({"max_inflight"}))
+        else:
+            pp = PPConfig(mode=mode)
+        inst = megatron_overlap.install(OverlapConfig(pp=pp))
         if mode == "zb":
             inst.pp_times = self.placement
         return inst

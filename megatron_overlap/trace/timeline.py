@@ -83,11 +83,12 @@ def draw(panels: list[Panel], path: str, title: str = "", columns: int = 2) -> s
         axes[index // columns][index % columns].axis("off")
     used = [k for k in COLORS if any(kind == k for panel in panels for _l, kind, _i in panel.rows)]
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in used]
-    fig.legend(handles, [LABELS[k] for k in used], loc="lower center", ncol=min(len(used), 4), fontsize=8,
-               frameon=False)
+    fig.legend(handles, [LABELS[k] for k in used], loc="lower center", ncol=min(len(used), 2 if columns == 1 else 4),
+               fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    legend_in = 0.25 * ((len(used) + 1) // (2 if columns == 1 else 4) + 1)  # inches the legend's rows take
+    fig.tight_layout(rect=(0, min(0.3, legend_in / fig.get_figheight()), 1, 0.97))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
