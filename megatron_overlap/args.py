@@ -148,11 +148,17 @@ FLAGS = tuple(flag for flag, _field, _kw in _FLAGS)
 FIELDS = {field: flag for flag, field, _kw in _FLAGS}  # config field -> flag
 
 
-# Megatron arguments whose flag is not ``--<name with dashes>`` (megatron-core's dataclass fields
-# with ``argparse_meta`` arg_names, the flags 0.18+ derive from them; tests/data/megatron_flags.txt).
+# Megatron settings whose flag is not ``--<name with dashes>``: megatron-core dataclass fields
+# with ``argparse_meta`` arg_names (Megatron-LM derives its flags from them), an attribute Megatron-LM
+# computes from another flag, and model-config fields no flag sets (named as the config's). Checked
+# against Megatron-LM's own parser: tests/data/megatron_lm_parser_flags.txt, tests/test_hardening.py.
 MEGATRON_FLAG_NAMES = {
     "overlap_p2p_comm_warmup_flush": "--overlap-p2p-communication-warmup-flush",
     "microbatch_group_size_per_vp_stage": "--microbatch-group-size-per-virtual-pipeline-stage",
+    "virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank",
+    "variable_seq_lengths": "TransformerConfig.variable_seq_lengths",
+    "num_microbatches_with_partial_activation_checkpoints":
+        "TransformerConfig.num_microbatches_with_partial_activation_checkpoints",
 }
 
 

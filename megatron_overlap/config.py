@@ -22,7 +22,7 @@ from .cp import CP_MODES
 from .errors import OverlapConfigError
 from .hdp import MODES as HDP_MODES
 from .pp import MODES as PP_MODES
-from .tp import RS_ALGOS, TP_MODES, check_chunks, check_sub_batches
+from .tp import MAX_CHUNKS, RS_ALGOS, TP_MODES, check_chunks, check_sub_batches
 
 
 class _Section:
@@ -71,7 +71,11 @@ class TPConfig(_Section):
             raise OverlapConfigError("tp.mode", f"unknown mode {self.mode!r}; choose one of {', '.join(TP_MODES)}")
         if self.rs not in RS_ALGOS:
             raise OverlapConfigError("tp.rs", f"unknown algorithm {self.rs!r}; choose ring or a2a")
-        check_chunks(self.chunks * (2 if self.bidirectional else 1))  # each chunk travels as two halves
+        check_chunks(self.chunks)
+        if self.bidirectional and 2 * self.chunks > MAX_CHUNKS:  # each chunk travels as two halves
+            raise OverlapConfigError("tp.chunks", f"{self.chunks} with `tp.bidirectional` travel as {2 * self.chunks} "
+                                     f"halves, more than the {MAX_CHUNKS} messages a ring can tell apart; use at most "
+                                     f"{MAX_CHUNKS // 2}")
         check_sub_batches(self.sub_batches, self.mode)
         if self.autotune and self.plan_file:
             raise OverlapConfigError("tp.plan_file", "and `tp.autotune` both choose the decompositions; pass one of them")
