@@ -26,8 +26,8 @@ def bit_identity(seed: int, cases) -> list:
             column = "column" in name
             x = torch.randn(s if column else 2 * s, b, layer.input_size if column else layer.input_size_per_partition,
                             generator=gen)
-            dy = torch.randn(2 * s if column else s, b, layer.output_size_per_partition if column else layer.output_size,
-                             generator=gen)
+            out_dim = layer.output_size_per_partition if column else layer.output_size
+            dy = torch.randn(2 * s if column else s, b, out_dim, generator=gen)
             _install([])
             stock = _run_layer(layer, x, dy, False)
             _install(["--overlap-tp", "p2p", "--overlap-tp-chunks", str(chunks)]

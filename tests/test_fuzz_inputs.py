@@ -71,7 +71,8 @@ def random_flags(rng: random.Random, tmp: Path, case: int) -> list:
         elif flag == "--overlap-trace":
             blocker = tmp / "a_file"
             blocker.write_text("x")
-            flags += [flag, rng.choice([str(tmp / f"trace{case}"), str(blocker), str(blocker / "sub"), "", "\u00e9t\u00e9"])]
+            flags += [flag, rng.choice([str(tmp / f"trace{case}"), str(blocker), str(blocker / "sub"), "", "\u00e9t\u00e9"
+                                        ])]
         else:
             flags += [flag, rng.choice(VALUES.get(flag, NUMBERS))]
     if rng.random() < 0.5 and "--overlap-tp" not in flags:
@@ -82,9 +83,11 @@ def random_flags(rng: random.Random, tmp: Path, case: int) -> list:
 def megatron_values(rng: random.Random) -> dict:
     heads = rng.choice([4, 8, 32])
     return dict(tensor_model_parallel_size=rng.choice([1, 2, 3, 4, 8]), sequence_parallel=rng.random() < 0.8,
-                transformer_impl=rng.choice(["local", "local", "transformer_engine"]), tp_comm_overlap=rng.random() < 0.1,
+                transformer_impl=rng.choice(["local", "local", "transformer_engine"]),
+                tp_comm_overlap=rng.random() < 0.1,
                 seq_length=rng.choice([1, 7, 64, 128, 8190, 8192]), micro_batch_size=1,
-                context_parallel_size=rng.choice([1, 1, 2, 3, 4]), pipeline_model_parallel_size=rng.choice([1, 1, 2, 4]),
+                context_parallel_size=rng.choice([1, 1, 2, 3, 4]),
+                pipeline_model_parallel_size=rng.choice([1, 1, 2, 4]),
                 num_attention_heads=heads, group_query_attention=True, num_query_groups=rng.choice([1, 2, heads]),
                 train_iters=rng.choice([None, 0, 5, 10**12]), distributed_timeout_minutes=rng.choice([None, 0.01, 10]),
                 reset_attention_mask=rng.random() < 0.3, reset_position_ids=rng.random() < 0.3,
@@ -92,7 +95,8 @@ def megatron_values(rng: random.Random) -> dict:
 
 
 def _warm_up(tmp: Path) -> None:
-    for flags, megatron in ((["--overlap-tp", "p2p", "--overlap-trace", str(tmp / "w")], dict(tensor_model_parallel_size=2)),
+    for flags, megatron in ((["--overlap-tp", "p2p", "--overlap-trace", str(tmp / "w")],
+                             dict(tensor_model_parallel_size=2)),
                             (["--overlap-cp", "ring"], dict(context_parallel_size=2)),
                             (["--hdp", "--hdp-max-tokens-per-rank", "64"], {}),
                             (["--overlap-pp", "zb"], dict(pipeline_model_parallel_size=2))):

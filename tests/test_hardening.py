@@ -42,8 +42,8 @@ def test_a_trace_range_is_parsed_in_constant_time_and_memory(capsys):
     assert its.ranges == ((0, 0), (2, 100000000)) and 3 in its and 1 not in its and 10**8 + 1 not in its
     assert len(wide.trace.iterations) == 10**12 - 4 and config.trace.flags()[-1] == "0,2-100000000"
     assert OverlapConfig.from_args(parse(*config.as_flags())) == config  # round trip, still ranges
-    for bad, words in (("3-1", "first <= last"), ("1-" + "9" * 30, "within 0 .."), (",".join(["1"] * 65), "1 to 64 parts"),
-                       ("x" * 300, "at most 256 characters")):
+    for bad, words in (("3-1", "first <= last"), ("1-" + "9" * 30, "within 0 .."),
+                       (",".join(["1"] * 65), "1 to 64 parts"), ("x" * 300, "at most 256 characters")):
         with pytest.raises(OverlapConfigError, match=f"^--overlap-trace-iters: .*{words}"):
             OverlapConfig.from_args(parse("--overlap-trace", "/tmp/t", "--overlap-trace-iters", bad))
 
@@ -100,7 +100,8 @@ def test_megatron_settings_named_in_messages_are_flags_megatron_has():
     fields = {f"megatron.{n}" for n in MEGATRON_PP_FLAGS}
     for path in Path(megatron_overlap.__file__).parent.rglob("*.py"):
         text = path.read_text()
-        fields |= set(re.findall(r"`(megatron\.[a-z0-9_]+)`", text)) | set(re.findall(r"\"(megatron\.[a-z0-9_]+)\"", text))
+        fields |= set(re.findall(r"`(megatron\.[a-z0-9_]+)`", text))
+        fields |= set(re.findall(r"\"(megatron\.[a-z0-9_]+)\"", text))
     fields -= {"megatron.core", "megatron.training"}  # module names
     assert len(fields) > 15
     for field in sorted(fields):
@@ -263,11 +264,12 @@ def test_auto_and_install_apply_the_same_rule():
     (["demo", "--world", "0"], "demo: --world must be a whole number >= 1, got 0"),
     (["demo", "--tp", "3", "--world", "3"], "demo: --tp: the tiny GPT (8 heads, 2 key/value heads, seq 1024) cannot"),
     (["demo", "--comm-ratio", "nan"], "demo: --comm-ratio must be a finite number > 0, got nan"),
+    (["demo", "--pp", "0"], "demo --pp: --pp must be a whole number >= 2, got 0"),
     (["bench", "mlp", "--tp", "1"], "bench mlp: --tp must be a whole number >= 2, got 1"),
     (["bench", "attention", "--kv-heads", "0"], "bench attention: --kv-heads must be a whole number >= 1"),
     (["bench", "pp", "--steps", "0"], "bench pp: --steps must be a whole number >= 1, got 0"),
     (["floor", "--times", "1/1/1", "--stages", "2", "--transfer-ms", "inf"], "floor: --transfer-ms must be a finite"),
-], ids=["demo-cp-3", "demo-world-0", "demo-tp-3", "demo-nan", "bench-mlp-tp-1", "bench-attention-kv-0",
+], ids=["demo-cp-3", "demo-world-0", "demo-tp-3", "demo-nan", "demo-pp-0", "bench-mlp-tp-1", "bench-attention-kv-0",
         "bench-pp-steps-0", "floor-inf"])
 def test_commands_refuse_bad_arguments_before_any_rank_starts(monkeypatch, argv, words):
     """Finding: `demo --cp 3` and `demo --world 0` failed with a shape error or IndexError after
@@ -314,3 +316,22 @@ def test_uninstall_keeps_a_wrapper_placed_over_our_patch(caplog):
         layers.RowParallelLinear.forward = ours  # their wrapper removed (as the warning asks) ...
     assert megatron_overlap.uninstall() == []  # ... and ours goes too
     assert layers.RowParallelLinear.__dict__["forward"] is stock and not megatron_overlap.is_installed()
+
+
+def test_the_fused_kernels_flag_waits_follow_the_timeout_and_name_layer_and_peer():
+    """The flag waits of the fused backend's kernels: capped at about --overlap-timeout-s' worth of
+    spins, and a flag never raised names the chunk, the peer that owns it and the layer."""
+    import torch
+
+    from megatron_overlap.comm import waits
+    from megatron_overlap.kernels.ag_gemm import spin_limit
+    from megatron_overlap.tp.backends import make_backend
+
+    backend = make_backend("fused", timeout_s=2.0)  # the interpreter here; the same object on a GPU
+    assert backend.max_spins == spin_limit(2.0) < spin_limit(300.0) == make_backend("fused").max_spins
+    error = torch.tensor([3], dtype=torch.int32)  # the kernel gave up on chunk 2 (code = index + 1)
+    with waits.at("layer 3 linear_fc1 (column, weight 8x8) forward"):
+        with pytest.raises(RuntimeError, match=r"^fused ag_gemm: chunk 2 \(group rank 1's piece 0\) \[layer 3 "
+                           r"linear_fc1 \(column, weight 8x8\) forward\] never arrived within 2000000 spins"):
+            backend._watch(error, "ag_gemm", lambda c: f"chunk {c} (group rank {c // 2}'s piece {c % 2})",
+                           torch.device("cpu"))

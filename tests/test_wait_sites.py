@@ -1,9 +1,9 @@
 """Failures that say where (issue 25): with ``--overlap-timeout-s 2`` and the process groups'
-timeout at 60 s, a peer frozen (alive, silent) or killed in a TP ring, a CP ring, an HDP ring and
-the HDP exchange ends the survivor's wait within the flag's seconds + 10 s, with an error naming
-the op, the layer or micro-batch and the peer rank. Cheap on purpose: one 2-rank group per case,
-one tiny layer, all cases at once, the ranks forked from this process (tests/test_timeouts.py's
-approach)."""
+timeout at 60 s, a peer frozen (alive, silent) or killed in a TP ring, a CP ring, an HDP ring,
+the HDP exchange and a pipeline transfer ends the survivor's wait within the flag's seconds +
+10 s, with an error naming the op, the layer or micro-batch and the peer rank. Cheap on purpose:
+one 2-rank group per case, one tiny layer, all cases at once, the ranks forked from this process
+(tests/test_timeouts.py's approach)."""
 
 import datetime
 import os
@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 OVERLAP_TIMEOUT_S = 2
 PG_TIMEOUT_S = 60  # what the overlap timeout must beat: a wait that ran into it fails the time bound below
-CASES = ("tp_freeze", "cp_kill", "hdp_ring_freeze", "hdp_exchange_freeze")
+CASES = ("tp_freeze", "cp_kill", "hdp_ring_freeze", "hdp_exchange_freeze", "pp_freeze")
 
 
 def _free_port():
@@ -28,6 +28,14 @@ def _setup(which: str):
     from megatron_overlap.lab import cpu_shims, tiny_gpt
 
     cpu_shims.apply()
+    if which.startswith("pp"):
+        from megatron_overlap.config import CommConfig, OverlapConfig, PPConfig
+        from megatron_overlap.lab.pipeline_gpt import PipelineGPT, PipelineTrainer
+
+        tiny_gpt.init_parallel(1, pp=2, timeout_minutes=PG_TIMEOUT_S / 60)  # the trainer finds these groups
+        trainer = PipelineTrainer(PipelineGPT(pp=2), overlap_grad_reduce=True)
+        return megatron_overlap.install(OverlapConfig(pp=PPConfig(mode="zb"),
+                                                      comm=CommConfig(timeout_s=OVERLAP_TIMEOUT_S))), trainer
     tp, cp = (2, 1) if which.startswith("tp") else (1, 2) if which.startswith("cp") else (1, 1)
     tiny_gpt.init_parallel(tp, cp=cp, timeout_minutes=PG_TIMEOUT_S / 60)
     flags = {"tp": ["--overlap-tp", "p2p"], "cp": ["--overlap-cp", "ring"],
@@ -62,6 +70,8 @@ def _survivor(which, inst, model, step):
         return model.decoder(hidden_states=torch.randn(rows, 1, 32), attention_mask=None)
     if which == "hdp_exchange_freeze":
         return _hdp_step(inst, 0)
+    if which == "pp_freeze":
+        return model.step(0)  # the pipeline trainer
     from megatron_overlap.hdp.runtime import default_forward
 
     ring = next(mb for mb in step.microbatches if len(mb.ring) > 1)
@@ -118,7 +128,8 @@ def test_a_frozen_or_dead_peer_ends_the_wait_in_the_timeout_naming_op_layer_and_
             p.kill()
     for which, (message, elapsed) in got.items():
         assert elapsed <= OVERLAP_TIMEOUT_S + 10, (which, elapsed, message)  # not the group's 60 s
-        assert message.startswith("WaitError: megatron-overlap: "), (which, message)
+        executor = "RuntimeError: megatron-overlap pipeline stage 0: "  # the executor's wrapper, as before
+        assert message.startswith(executor if which == "pp_freeze" else "WaitError: megatron-overlap"), (which, message)
         assert "group rank 1 (world rank 1)" in message, (which, message)  # the peer
         if which.endswith("freeze"):
             assert f"never answered within {OVERLAP_TIMEOUT_S} s (--overlap-timeout-s)" in message, (which, message)
@@ -132,3 +143,5 @@ def test_a_frozen_or_dead_peer_ends_the_wait_in_the_timeout_naming_op_layer_and_
     assert "layer 1 core attention forward" in ring, ring
     exchange = got["hdp_exchange_freeze"][0]
     assert "HDP lengths all-gather" in exchange and "[HDP step]" in exchange, exchange
+    pp = got["pp_freeze"][0]  # stage 0's first wait on stage 1: the activation of micro-batch 0 it sent
+    assert "SEND act 0 ->1 did not complete" in pp and "[pipeline stage 0 WAIT SEND act 0 ->1]" in pp, pp

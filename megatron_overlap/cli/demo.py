@@ -284,6 +284,9 @@ def _pp_main(args) -> int:
         names = ", ".join("--" + n.replace("_", "-").replace("-gbps", "-GBps") for n in given)
         raise SystemExit(f"demo --pp runs its own pipeline (one rank per stage) and does not read {names}; drop "
                          f"{'them' if len(given) > 1 else 'it'} (it takes --steps, --out, --json, --no-progress)")
+    from .checks import counts
+
+    counts("demo --pp", pp=(args.pp, 2), steps=(args.steps if args.steps is not None else 8, 1))
     result = run_pp_demo(args.pp, steps=args.steps or 8, out_dir=args.out or "runs/demo",
                          progress=not args.no_progress)
     print(format_pp_demo(result))
@@ -332,7 +335,7 @@ def add_demo_args(parser: argparse.ArgumentParser):
 
 
 def main(args) -> int:
-    if getattr(args, "pp", None):
+    if getattr(args, "pp", None) is not None:  # --pp 0 too: refused there, not run as the TP demo
         return _pp_main(args)
     _refuse_unused(args)
     if getattr(args, "hdp", False):

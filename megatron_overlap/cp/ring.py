@@ -19,9 +19,9 @@ Backward (the ring again, the other way; dK/dV sums travel with it, dQ stays)::
 
 Every exchange posts its sends and receives together (``batch_isend_irecv``) and every rank posts
 them in the same order towards each peer, as NCCL needs; every wait is ``comm.waits.wait``, bounded
-by the process group's timeout (or ``comm.timeout_s``) and naming the step, piece and peer. With ``overlap=False`` the same messages are sent, but each
-step waits for its block (and each dK/dV sum for its transfer) before computing: the baseline
-of the benchmark.
+by the process group's timeout (or ``comm.timeout_s``) and naming the step, piece and peer. With
+``overlap=False`` the same messages are sent, but each step waits for its block (and each dK/dV
+sum for its transfer) before computing: the baseline of the benchmark.
 """
 
 from __future__ import annotations

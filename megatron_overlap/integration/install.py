@@ -137,8 +137,8 @@ class Installation:
                  for o, n, _, _ in self._saved]
         if names:
             logger.warning("megatron-overlap: uninstall left %s in place: another wrapper was put over "
-                           "megatron-overlap's patch there after install, and removing ours would remove it too; remove "
-                           "that wrapper first, then uninstall again", ", ".join(names))
+                           "megatron-overlap's patch there after install, and removing ours would remove it too; "
+                           "remove that wrapper first, then uninstall again", ", ".join(names))
         return names
 
 

@@ -13,9 +13,9 @@ from ..errors import OverlapConfigError
 def check(config, ctx, notice) -> None:
     """``config``: the ``OverlapConfig`` asked for; ``ctx``: the ``ModelContext``; ``notice``:
     install's one-line notice on rank 0."""
-    problems = rules.model_shape_problems(ctx.tp_size or 1, ctx.heads, ctx.kv_heads, ctx.seq_length,
-                                          ctx.cp_size or 1, ctx.sequence_parallel is not False) \
-        if ctx.tp_size and not config.hdp.enabled else []
+    seq = None if config.hdp.enabled else ctx.seq_length  # HDP: each micro-batch's rows, padded by the runtime
+    problems = rules.model_shape_problems(ctx.tp_size, ctx.heads, ctx.kv_heads, seq, ctx.cp_size or 1,
+                                          ctx.sequence_parallel is not False) if ctx.tp_size else []
     if problems:  # Megatron would refuse these later, with an assertion: say it now, and what builds
         field, reason = problems[0]
         sizes = rules.divisors_that_build(max(8, ctx.tp_size), ctx.heads or 0, ctx.kv_heads or 0)

@@ -95,7 +95,8 @@ def load_plan_file(path: str, rows_per_rank: Optional[int] = None) -> dict:
         raise OverlapConfigError("tp.plan_file", f"cannot read {path}: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise OverlapConfigError("tp.plan_file", f"{path} holds a JSON {type(data).__name__}; a plan file is an "
-                                 "object {shape key: 'c2-ring' | {'choice': 'c2-ring'}}, e.g. {\"default\": \"c2-ring\"}")
+                                 "object {shape key: 'c2-ring' | {'choice': 'c2-ring'}}, e.g. "
+                                 "{\"default\": \"c2-ring\"}")
     plans = {}
     for key, value in data.items():
         text = value.get("choice") if isinstance(value, dict) else value
