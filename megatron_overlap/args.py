@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from . import rules
 from .cp import CP_MODES
 from .errors import OverlapConfigError
 from .hdp import MODES as HDP_MODES
@@ -17,26 +18,38 @@ from .pp import MODES as PP_MODES
 from .tp import RS_ALGOS, TP_MODES, check_chunks
 
 
+def _argparse_rule(rule):
+    """An argparse ``type`` from a rule of ``rules`` (or an area's): the same check as the config
+    and the file loaders apply, its message reported the argparse way."""
+
+    def parse(text: str):
+        try:
+            return rule(text)
+        except OverlapConfigError as exc:
+            raise argparse.ArgumentTypeError(exc.reason) from None
+
+    return parse
+
+
 def _chunk_count(text: str) -> int:
-    """``--overlap-tp-chunks``: TP's own rule (``tp.check_chunks``), reported the argparse way."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = text
-    try:
-        return check_chunks(value)
-    except OverlapConfigError as exc:
-        raise argparse.ArgumentTypeError(exc.reason) from None
+    """``--overlap-tp-chunks``: TP's own rule (``tp.check_chunks``)."""
+    value = text.strip()
+    return check_chunks(int(value) if len(value) <= 24 and value.lstrip("+-").isdigit() else text)
 
 
 def _sub_batch_count(text: str):
     """``--overlap-tp-sub-batches``: a count or ``auto`` (checked by the config layer with the mode)."""
     if text == "auto":
         return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or auto, got {text!r}") from None
+    return rules.whole_number(text, "tp.sub_batches", 1, rules.MAX_COUNT, "a whole number >= 1 or auto")
+
+
+def _count(field: str, low: int, what: str):
+    return _argparse_rule(lambda text: rules.whole_number(text, field, low, rules.MAX_COUNT, what))
+
+
+def _amount(field: str, unit: str, high: float):
+    return _argparse_rule(lambda text: rules.positive_finite(text, field, unit, high))
 
 
 # None defaults on the flags that depend on another: they let the config tell "given while
@@ -50,7 +63,7 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         "chosen at start (the cost model on a GPU it knows, else symm-mem where it runs, else p2p). Needs "
         "--sequence-parallel and --transformer-impl local.")),
     ("--overlap-tp-chunks", "tp.chunks", dict(
-        type=_chunk_count, default=None, metavar="N",
+        type=_argparse_rule(_chunk_count), default=None, metavar="N",
         help="Chunks per overlapped collective, over the whole TP group (a multiple of the TP size); 0 "
         "(default) chooses.")),
     ("--overlap-tp-rs", "tp.rs", dict(
@@ -58,7 +71,7 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         help="Reduce-scatter after a GEMM as a ring of partial sums (ring, default for p2p) or as all-to-all "
         "plus a local reduce (a2a, the only one of --overlap-tp fused).")),
     ("--overlap-tp-sub-batches", "tp.sub_batches", dict(
-        type=_sub_batch_count, default=None, metavar="N|auto",
+        type=_argparse_rule(_sub_batch_count), default=None, metavar="N|auto",
         help="Cut each attention and MLP block's rows into N sub-batches run one after another, so one "
         "sub-batch's all-gather / reduce-scatter travels while another's attention or GEMMs compute (Domino-style "
         "workload partitioning; 2 or 3 are the usual choices; default 1: whole). auto: the cost model chooses "
@@ -92,7 +105,7 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         "heads and back (Ulysses; heads per TP rank divisible by CP); hybrid: a2a inside groups of "
         "--overlap-cp-a2a-size ranks, ring across. off: stock (which refuses CP > 1 on the local path).")),
     ("--overlap-cp-a2a-size", "cp.a2a_size", dict(
-        type=int, default=None, metavar="U",
+        type=_count("cp.a2a_size", 1, "a whole number of ranks"), default=None, metavar="U",
         help="All-to-all group size of --overlap-cp hybrid (divides the context-parallel size).")),
     ("--hdp", "hdp.enabled", dict(
         action="store_true", default=False,
@@ -100,7 +113,7 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         "ranks that hold it (ceil(L / C), a ring over those ranks) and work is balanced across ranks. Needs "
         "--context-parallel-size 1, --transformer-impl local, packed variable-length data.")),
     ("--hdp-max-tokens-per-rank", "hdp.max_tokens", dict(
-        type=int, default=None, metavar="C",
+        type=_count("hdp.max_tokens", 1, "a whole number of tokens"), default=None, metavar="C",
         help="Tokens one rank holds in one micro-batch under --hdp (padding included).")),
     ("--hdp-mode", "hdp.mode", dict(
         choices=HDP_MODES, default=None,
@@ -114,29 +127,52 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         "wait; ZB-H1's memory); auto: zb where the weight gradients can be deferred, else 1f1b. off: Megatron's "
         "1F1B.")),
     ("--overlap-pp-max-inflight", "pp.max_inflight", dict(
-        type=int, default=None, metavar="K",
+        type=_count("pp.max_inflight", 2, "a whole number of micro-batches"), default=None, metavar="K",
         help="Micro-batches forwarded by the first stage before its first backward, K in [PP size, number of "
         "micro-batches] (default: PP size, as 1F1B); stage s then warms up with max(PP - s, K - 2s). More in "
         "flight give transfers more compute to hide behind and cost activation memory on the first stages; "
         "2 x PP - 1 hides every steady-state transfer.")),
     ("--overlap-pp-memory-budget", "pp.memory_budget_gb", dict(
-        type=float, default=None, metavar="GB",
+        type=_amount("pp.memory_budget_gb", "GB", rules.MAX_GB), default=None, metavar="GB",
         help="Activation memory per stage in GB; sets --overlap-pp-max-inflight to the most micro-batches that "
         "fit (estimated from the model shape).")),
+    ("--overlap-timeout-s", "comm.timeout_s", dict(
+        type=_amount("comm.timeout_s", "seconds", rules.MAX_TIMEOUT_S), default=None, metavar="S",
+        help="Bound every wait of the plugin's own communication (TP rings, CP and HDP rings, the HDP exchange, "
+        "pipeline transfers, the fused kernels' flag waits) by S seconds, below the process group's timeout: a "
+        "silent or dead peer ends the run in S seconds with an error naming the op, the layer or micro-batch "
+        "and the peer rank. Default: the process group's timeout bounds them.")),
 )
 
 FLAGS = tuple(flag for flag, _field, _kw in _FLAGS)
 FIELDS = {field: flag for flag, field, _kw in _FLAGS}  # config field -> flag
 
 
+# Megatron settings whose flag is not ``--<name with dashes>``: megatron-core dataclass fields
+# with ``argparse_meta`` arg_names (Megatron-LM derives its flags from them), an attribute Megatron-LM
+# computes from another flag, and model-config fields no flag sets (named as the config's). Checked
+# against Megatron-LM's own parser: tests/data/megatron_lm_parser_flags.txt, tests/test_hardening.py.
+MEGATRON_FLAG_NAMES = {
+    "overlap_p2p_comm_warmup_flush": "--overlap-p2p-communication-warmup-flush",
+    "microbatch_group_size_per_vp_stage": "--microbatch-group-size-per-virtual-pipeline-stage",
+    "virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank",
+    "variable_seq_lengths": "TransformerConfig.variable_seq_lengths",
+    "num_microbatches_with_partial_activation_checkpoints":
+        "TransformerConfig.num_microbatches_with_partial_activation_checkpoints",
+}
+
+
 def flag_for(field: str) -> str:
     """The flag of a config field: ours from the table, Megatron's (``megatron.seq_length``) by
-    Megatron's own convention (``--seq-length``)."""
+    Megatron's own convention (``--seq-length``, the exceptions in ``MEGATRON_FLAG_NAMES``), an
+    environment variable (``env.MEGATRON_OVERLAP_CACHE``) by its name."""
     if field in FIELDS:
         return FIELDS[field]
     area, _, name = field.partition(".")
     if area == "megatron" and name:
-        return "--" + name.replace("_", "-")
+        return MEGATRON_FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+    if area == "env" and name:
+        return name
     raise KeyError(f"no flag for config field {field!r}")
 
 

@@ -15,17 +15,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from . import rules
 from .args import flag_for
 from .context import MEGATRON_PP_FLAGS, ModelContext  # noqa: F401  (re-exported: its home was here)
 from .cp import CP_MODES
 from .errors import OverlapConfigError
 from .hdp import MODES as HDP_MODES
 from .pp import MODES as PP_MODES
-from .tp import RS_ALGOS, TP_MODES, check_chunks, check_sub_batches
-
-
-def _positive_int(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value > 0
+from .tp import MAX_CHUNKS, RS_ALGOS, TP_MODES, check_chunks, check_sub_batches
 
 
 class _Section:
@@ -75,6 +72,10 @@ class TPConfig(_Section):
         if self.rs not in RS_ALGOS:
             raise OverlapConfigError("tp.rs", f"unknown algorithm {self.rs!r}; choose ring or a2a")
         check_chunks(self.chunks)
+        if self.bidirectional and 2 * self.chunks > MAX_CHUNKS:  # each chunk travels as two halves
+            raise OverlapConfigError("tp.chunks", f"{self.chunks} with `tp.bidirectional` travel as {2 * self.chunks} "
+                                     f"halves, more than the {MAX_CHUNKS} messages a ring can tell apart; use at most "
+                                     f"{MAX_CHUNKS // 2}")
         check_sub_batches(self.sub_batches, self.mode)
         if self.autotune and self.plan_file:
             raise OverlapConfigError("tp.plan_file", "and `tp.autotune` both choose the decompositions; pass one of them")
@@ -135,8 +136,7 @@ class CPConfig(_Section):
             if self.mode != "hybrid":
                 raise OverlapConfigError(
                     "cp.a2a_size", f"only applies to `cp.mode` hybrid (got `cp.mode` {self.mode}); drop it or use hybrid")
-            if not _positive_int(self.a2a_size):
-                raise OverlapConfigError("cp.a2a_size", f"must be a positive whole number, got {self.a2a_size!r}")
+            rules.whole_number(self.a2a_size, "cp.a2a_size", 1, rules.MAX_COUNT, "a positive whole number")
         if self.mode == "hybrid" and self.a2a_size is None:
             raise OverlapConfigError(
                 "cp.a2a_size", "`cp.mode` hybrid needs `cp.a2a_size` U: all-to-all inside groups of U consecutive "
@@ -179,8 +179,7 @@ class HDPConfig(_Section):
             raise OverlapConfigError(
                 "hdp.max_tokens", "`hdp.enabled` needs the tokens one rank may hold in a micro-batch (`hdp.max_tokens` "
                 "C, e.g. your `megatron.seq_length`): longer sequences are sharded over ceil(L / C) ranks")
-        if not _positive_int(self.max_tokens):
-            raise OverlapConfigError("hdp.max_tokens", f"must be a positive number of tokens, got {self.max_tokens!r}")
+        rules.whole_number(self.max_tokens, "hdp.max_tokens", 1, rules.MAX_COUNT, "a positive number of tokens")
 
     def flags(self) -> list:
         if not self.enabled:
@@ -215,12 +214,11 @@ class PPConfig(_Section):
         if len(given) == 2:
             raise OverlapConfigError("pp.memory_budget_gb", "and `pp.max_inflight` both set the micro-batches in "
                                      "flight; pass one of them")
-        if self.max_inflight is not None and not (_positive_int(self.max_inflight) and self.max_inflight >= 2):
-            raise OverlapConfigError("pp.max_inflight", f"must be a whole number >= 2 (at least the PP size), got "
-                                     f"{self.max_inflight!r}")
-        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
-            raise OverlapConfigError("pp.memory_budget_gb", f"must be a positive number of GB, got "
-                                     f"{self.memory_budget_gb!r}")
+        if self.max_inflight is not None:
+            rules.whole_number(self.max_inflight, "pp.max_inflight", 2, rules.MAX_COUNT,
+                               "a whole number (at least the PP size)")
+        if self.memory_budget_gb is not None:  # inf / nan refused here, not by a conversion at the first step
+            rules.positive_finite(self.memory_budget_gb, "pp.memory_budget_gb", "GB", rules.MAX_GB)
 
     @property
     def enabled(self) -> bool:
@@ -247,12 +245,16 @@ class TraceConfig(_Section):
     """Per-rank Chrome traces of chosen iterations."""
 
     dir: Optional[str] = None
-    iterations: frozenset = frozenset({3})
-    """Iterations to trace, counted from 0 in this run."""
+    iterations: rules.IterationSet = rules.IterationSet(((3, 3),))
+    """Iterations to trace, counted from 0 in this run (ranges, never expanded)."""
 
     explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
 
     def __post_init__(self):
+        if not isinstance(self.iterations, rules.IterationSet):  # a set of ints from the Python API
+            object.__setattr__(self, "iterations", rules.IterationSet.of(self.iterations))
+        if not self.iterations.ranges:
+            raise OverlapConfigError("trace.iterations", "is empty; name at least one iteration, e.g. 3")
         if "iterations" in self.explicit and not self.dir:
             raise OverlapConfigError(
                 "trace.iterations", "has no effect without `trace.dir` DIR; add it, or drop the iterations")
@@ -264,8 +266,23 @@ class TraceConfig(_Section):
     def flags(self) -> list:
         if not self.dir:
             return []
-        return [flag_for("trace.dir"), self.dir,
-                flag_for("trace.iterations"), ",".join(str(i) for i in sorted(self.iterations))]
+        return [flag_for("trace.dir"), self.dir, flag_for("trace.iterations"), self.iterations.text()]
+
+
+@dataclass(frozen=True)
+class CommConfig(_Section):
+    """The plugin's own waits (``comm.waits``)."""
+
+    timeout_s: Optional[float] = None
+    """Seconds any one of them may take before the run ends naming the peer (None: the process
+    group's timeout bounds them)."""
+
+    def __post_init__(self):
+        if self.timeout_s is not None:
+            rules.positive_finite(self.timeout_s, "comm.timeout_s", "seconds", rules.MAX_TIMEOUT_S)
+
+    def flags(self) -> list:
+        return [] if self.timeout_s is None else [flag_for("comm.timeout_s"), f"{self.timeout_s:g}"]
 
 
 @dataclass(frozen=True)
@@ -277,8 +294,14 @@ class OverlapConfig:
     hdp: HDPConfig = HDPConfig()
     pp: PPConfig = PPConfig()
     trace: TraceConfig = TraceConfig()
+    comm: CommConfig = CommConfig()
 
     def __post_init__(self):
+        if self.comm.timeout_s is not None and not (self.tp.enabled or self.cp.enabled or self.hdp.enabled
+                                                    or self.pp.enabled):
+            raise OverlapConfigError(
+                "comm.timeout_s", "bounds the waits of the plugin's communication, and nothing of it is on; add "
+                "`tp.mode`, `cp.mode`, `hdp.enabled` or `pp.mode`, or drop it")
         if self.hdp.enabled and self.cp.enabled:
             raise OverlapConfigError(
                 "cp.mode", "`hdp.enabled` chooses a ring for every sequence itself; drop `cp.mode` (and keep "
@@ -292,7 +315,7 @@ class OverlapConfig:
     def as_flags(self) -> list:
         """The command-line flags that reproduce this config."""
         return ([flag_for("tp.mode"), self.tp.mode] + self.hdp.flags() + self.cp.flags() + self.pp.flags()
-                + self.trace.flags() + self.tp.flags())
+                + self.trace.flags() + self.tp.flags() + self.comm.flags())
 
     def replace(self, **sections) -> "OverlapConfig":
         return dataclasses.replace(self, **sections)
@@ -323,18 +346,14 @@ class OverlapConfig:
                                                            ("memory_budget_gb", "overlap_pp_memory_budget"))
                                          if get(dest) is not None))
         return cls(tp=tp, cp=CPConfig(mode=get("overlap_cp") or "off", a2a_size=get("overlap_cp_a2a_size")),
-                   hdp=hdp, pp=pp, trace=_trace_from_args(get("overlap_trace"), get("overlap_trace_iters")))
+                   hdp=hdp, pp=pp, trace=_trace_from_args(get("overlap_trace"), get("overlap_trace_iters")),
+                   comm=CommConfig(timeout_s=get("overlap_timeout_s")))
 
 
 def _trace_from_args(directory, iterations) -> TraceConfig:
     if iterations is None:
         return TraceConfig(dir=directory)
-    from .trace.tracer import parse_iterations
-
-    try:
-        parsed = parse_iterations(iterations)
-    except ValueError as exc:
-        raise OverlapConfigError("trace.iterations", str(exc)) from None
+    parsed = rules.iterations(iterations, "trace.iterations")
     return TraceConfig(dir=directory, iterations=parsed, explicit=frozenset({"iterations"}))
 
 

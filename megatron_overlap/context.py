@@ -31,6 +31,15 @@ class ModelContext:
     overlap_grad_reduce: bool = False  # Megatron DDP's
     position_embedding: Optional[str] = None
     world_size: Optional[int] = None
+    train_iters: Optional[int] = None  # Megatron-LM's --train-iters (the trace's iterations are checked against it)
+    pg_timeout_s: Optional[float] = None  # the process groups' timeout (--distributed-timeout-minutes)
+
+    def rows_per_rank(self) -> Optional[int]:
+        """Sequence rows each rank's linears see (seq / (TP x CP)), None when not known here."""
+        split = (self.tp_size or 0) * (self.cp_size or 1)
+        if not self.seq_length or split < 1 or self.seq_length % split:
+            return None
+        return self.seq_length // split
 
     @classmethod
     def from_megatron_args(cls, args: argparse.Namespace) -> "ModelContext":
@@ -55,6 +64,9 @@ class ModelContext:
             overlap_grad_reduce=bool(get("overlap_grad_reduce")),
             position_embedding=get("position_embedding_type"),
             world_size=get("world_size"),
+            train_iters=get("train_iters") if isinstance(get("train_iters"), int) else None,
+            pg_timeout_s=(60.0 * get("distributed_timeout_minutes")
+                          if isinstance(get("distributed_timeout_minutes"), (int, float)) else None),
         )
 
 

@@ -1,7 +1,8 @@
 """Errors raised for configurations the plugin refuses.
 
 Code below the config layer names what the user should change by *config field*, never by flag:
-``"tp.chunks"`` (one of ours) or ``"megatron.seq_length"`` (one of Megatron's arguments). Inside
+``"tp.chunks"`` (one of ours), ``"megatron.seq_length"`` (one of Megatron's arguments) or
+``"env.MEGATRON_OVERLAP_CACHE"`` (an environment variable the plugin reads). Inside
 a message, other fields are referred to in backticks, ``"use `cp.mode` ring"``. The error turns
 both into the flags the user types through the one map in :mod:`megatron_overlap.args`, so
 every message names a flag and no area of the plugin spells one.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-_FIELD_REF = re.compile(r"`((?:tp|cp|hdp|pp|trace|megatron)\.[a-z0-9_]+)`")
+_FIELD_REF = re.compile(r"`((?:tp|cp|hdp|pp|trace|comm|megatron)\.[a-z0-9_]+|env\.[A-Z0-9_]+)`")
 
 
 def render(message: str) -> str:

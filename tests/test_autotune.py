@@ -84,7 +84,7 @@ def test_agreement_tensors_go_to_the_groups_device(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: reduced.append(t.device))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None, async_op=False: reduced.append(t.device))
     assert agree.group_device(object()) == torch.device("cuda", 0)
     agreement = agree.GroupAgreement(object())
     for call in (lambda: agreement.max([1.0, 2.0]), lambda: agreement.any(True),

@@ -37,9 +37,26 @@ def add_mlp_args(parser: argparse.ArgumentParser, layer: bool = False):
                         "model's prediction of both step times beside the measurement")
 
 
+def check_mlp(cfg, command: str) -> None:
+    """The bench's arguments, before its ranks start (``cli/checks.py``)."""
+    from .checks import amounts, counts, tp_chunks
+
+    counts(command, tp=(cfg.tp, 2), seq=(cfg.seq, 1), hidden=(cfg.hidden, 1), ffn=(cfg.ffn, 1),
+           micro_batch=(cfg.micro_batch, 1), steps=(cfg.steps, 1), warmup=(cfg.warmup, 0),
+           sub_batches=(cfg.sub_batches, 1), heads=(cfg.heads, 1), overlap_tp_chunks=(cfg.chunks, 0))
+    amounts(command, ("comm_ratio",), comm_ratio=cfg.comm_ratio, latency_us=cfg.latency_us)
+    if cfg.seq % cfg.tp:
+        raise SystemExit(f"{command}: --seq {cfg.seq} does not split over --tp {cfg.tp} (sequence parallelism)")
+    if cfg.block == "layer" and (cfg.hidden % cfg.heads or cfg.heads % cfg.tp):
+        raise SystemExit(f"{command}: --hidden {cfg.hidden} must be a multiple of --heads {cfg.heads}, and the heads "
+                         f"of --tp {cfg.tp}")
+    tp_chunks(command, cfg.chunks, cfg.tp, cfg.seq // cfg.tp)
+
+
 def mlp_main(args) -> int:
     fields = MLPBench.__dataclass_fields__
     cfg = MLPBench(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
+    check_mlp(cfg, f"megatron-overlap bench {cfg.block}")
     if args.predict and cfg.block != "mlp":
         raise SystemExit("megatron-overlap bench layer: --predict models the MLP block only; drop it")
     result = run(cfg, progress=not args.no_progress, timeline_png=args.timeline)
@@ -81,7 +98,14 @@ def add_attention_args(parser: argparse.ArgumentParser):
 def attention_main(args) -> int:
     from .bench_attention import AttentionBench, format_table, run
 
+    from .checks import amounts, counts
+
     fields = AttentionBench.__dataclass_fields__
+    command = "megatron-overlap bench attention"
+    counts(command, cp=(args.cp, 2), seq=(args.seq, 1), heads=(args.heads, 1), kv_heads=(args.kv_heads, 1),
+           head_dim=(args.head_dim, 1), micro_batch=(args.micro_batch, 1), steps=(args.steps, 1),
+           warmup=(args.warmup, 0))
+    amounts(command, ("comm_ratio",), comm_ratio=args.comm_ratio, latency_us=args.latency_us)
     try:
         cfg = AttentionBench(**{k: getattr(args, k) for k in fields if hasattr(args, k)})
     except ValueError as exc:

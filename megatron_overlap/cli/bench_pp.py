@@ -257,6 +257,11 @@ def pp_main(args) -> int:
     values = {f.name: (getattr(args, f.name) if getattr(args, f.name, None) is not None else getattr(defaults, f.name))
               for f in fields(PPBench) if hasattr(args, f.name)}
     cfg = PPBench(**values)
+    from .checks import amounts, counts  # every value checked before the ranks start
+
+    counts("bench pp", **{f.name: (getattr(cfg, f.name), 0 if f.name == "warmup" else 1) for f in fields(PPBench)
+                          if f.type in ("int", int) and f.name != "seed"})
+    amounts("bench pp", comm_ratio=cfg.comm_ratio, latency_us=cfg.latency_us)
     if cfg.pp < 2 or cfg.microbatches < cfg.pp:
         print(f"bench pp: needs --pp >= 2 and --microbatches >= --pp, got {cfg.pp} and {cfg.microbatches}",
               file=sys.stderr)

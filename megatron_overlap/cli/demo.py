@@ -190,6 +190,38 @@ def configure(args, cores: int) -> tuple[DemoConfig, str]:
     return cfg, header
 
 
+def check_config(cfg: DemoConfig) -> None:
+    """Every value the demo's ranks will use, checked here, before any rank starts: counts,
+    the layout, and the model's shape by the rules install applies (``rules``), each refusal
+    naming the flag."""
+    from ..rules import model_shape_problems
+    from .checks import amounts, counts
+
+    counts("demo", world=(cfg.world, 1), tp=(cfg.tp, 1), cp=(cfg.cp, 1), steps=(cfg.steps, 1),
+           warmup=(cfg.warmup, 0), seq=(cfg.seq, 1), hidden=(cfg.hidden, 1), layers=(cfg.layers, 1),
+           overlap_tp_chunks=(cfg.chunks, 0), overlap_cp_a2a_size=(cfg.cp_a2a_size, 0))
+    amounts("demo", ("comm_ratio",), bandwidth_GBps=cfg.bandwidth_GBps, comm_ratio=cfg.comm_ratio,
+            latency_us=cfg.latency_us)
+    if cfg.world % (cfg.tp * cfg.cp):
+        raise SystemExit(f"demo: --tp {cfg.tp} x --cp {cfg.cp} must divide --world {cfg.world}")
+    if cfg.hidden % cfg.heads:
+        raise SystemExit(f"demo: --hidden {cfg.hidden} must be a multiple of the demo model's {cfg.heads} heads")
+    for field, reason in model_shape_problems(cfg.tp, cfg.heads, cfg.kv_heads, cfg.seq, cfg.cp, cfg.tp > 1):
+        flag = "--tp" if field.endswith("tensor_model_parallel_size") else "--seq"
+        raise SystemExit(f"demo: {flag}: the tiny GPT ({cfg.heads} heads, {cfg.kv_heads} key/value heads, seq "
+                         f"{cfg.seq}) cannot be built: {reason}")
+    if cfg.tp > 1:
+        from .checks import tp_chunks
+
+        tp_chunks("demo", cfg.chunks, cfg.tp, cfg.seq // (cfg.tp * cfg.cp))
+    if cfg.cp > 1 and cfg.overlap_cp in ("a2a", "hybrid"):
+        size = cfg.cp if cfg.overlap_cp == "a2a" else cfg.cp_a2a_size
+        if size < 1 or cfg.cp % size or (cfg.kv_heads // cfg.tp) % size:
+            raise SystemExit(f"demo: --overlap-cp {cfg.overlap_cp} splits the {cfg.kv_heads // cfg.tp} key/value heads "
+                             f"per TP rank over {size} ranks, which must divide them and --cp {cfg.cp}; use "
+                             "--overlap-cp ring")
+
+
 def _table_only(line: str) -> None:
     """--no-progress: the HDP demo's table without its progress lines."""
     if not line.startswith(("[", "HDP demo:")):
@@ -257,6 +289,9 @@ def _pp_main(args) -> int:
         names = ", ".join("--" + n.replace("_", "-").replace("-gbps", "-GBps") for n in given)
         raise SystemExit(f"demo --pp runs its own pipeline (one rank per stage) and does not read {names}; drop "
                          f"{'them' if len(given) > 1 else 'it'} (it takes --steps, --out, --json, --no-progress)")
+    from .checks import counts
+
+    counts("demo --pp", pp=(args.pp, 2), steps=(args.steps if args.steps is not None else 8, 1))
     result = run_pp_demo(args.pp, steps=args.steps or 8, out_dir=args.out or "runs/demo",
                          progress=not args.no_progress)
     print(format_pp_demo(result))
@@ -310,7 +345,7 @@ def add_demo_args(parser: argparse.ArgumentParser):
 
 
 def main(args) -> int:
-    if getattr(args, "pp", None):
+    if getattr(args, "pp", None) is not None:  # --pp 0 too: refused there, not run as the TP demo
         return _pp_main(args)
     _refuse_unused(args)
     if getattr(args, "hdp", False):
@@ -328,6 +363,7 @@ def main(args) -> int:
     if cluster is not None:  # refused now, not after the first part
         cluster = cluster_config(cluster, model=args.cluster_model or "llama3-70b", steps=args.steps or 4)
     cfg, header = configure(args, cpu_cores())
+    check_config(cfg)
     print(header, flush=True)
     result = run(cfg, out_dir=args.out or "runs/demo", progress=not args.no_progress)
     print(format_table(result))

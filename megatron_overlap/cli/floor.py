@@ -85,6 +85,14 @@ def format_floor(result: dict) -> str:
 
 
 def floor_main(args) -> int:
+    from .checks import amounts, counts
+
+    counts("floor", stages=(args.stages, 0), microbatches=(args.microbatches, 1))
+    amounts("floor", ("memory", "time_limit"), transfer_ms=args.transfer_ms, latency_ms=args.latency_ms,
+            memory=args.memory, w_share=args.w_share, time_limit=args.time_limit)
+    if args.w_share > 1:
+        raise SystemExit(f"floor: --w-share is the part of an activation a pending W holds, in 0 .. 1; got "
+                         f"{args.w_share:g}")
     times = list(args.times)
     if args.stages:
         if len(times) != 1:

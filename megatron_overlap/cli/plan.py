@@ -67,12 +67,23 @@ def plan_main(args) -> int:
 
         print(published_table())
         return 0
-    model = model_from_args(args)
+    from .checks import counts
+
+    counts("plan", tp=(args.tp, 1), cp=(args.cp, 1), pp=(args.pp, 1), dp=(args.dp, 1),
+           micro_batch=(args.micro_batch, 1), **{d: (getattr(args, d), 1) for d in _DIMS + ("seq", "micro_batches")
+                                                 if getattr(args, d) is not None})
     try:
+        model = model_from_args(args)
         run = run_from_args(args, model)
     except ValueError as exc:
         raise SystemExit(f"plan: {exc}") from None
-    plan = make_plan(model, run, get_hardware(args.hardware))
+    from ..tune.planner import UnbuildableError
+
+    try:
+        plan = make_plan(model, run, get_hardware(args.hardware))
+    except UnbuildableError as exc:  # before anything is simulated: name the flag to change
+        flag = {"megatron.tensor_model_parallel_size": "--tp", "megatron.seq_length": "--seq"}.get(exc.field, "--tp")
+        raise SystemExit(f"plan: {flag}: {exc.reason}") from None
     if args.timeline:
         draw_plan_timeline(plan, args.timeline)
     if args.json:

@@ -28,8 +28,11 @@ class GroupAgreement:
         self.world = dist.get_world_size(group)
 
     def _reduce(self, values: Sequence[float], dtype) -> list:
+        from .waits import wait
+
         t = torch.tensor(list(values), dtype=dtype, device=group_device(self.group))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "autotune agreement all-reduce",
+             self.group)
         return t.cpu().tolist()
 
     def max(self, values: Sequence[float]) -> list:

@@ -29,9 +29,9 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..trace.tracer import wait
 from . import tags
 from .p2p import exchange
+from .waits import wait
 
 # Partial-sum producer: (destination group rank, piece, optional output view) -> tensor of
 # shape [piece.stop - piece.start, *rest]; when ``out`` is given the result is written there.
@@ -89,7 +89,7 @@ class _RingBase:
         self.stream = stream
         if self.size * len(self.pieces) > tags.STREAM_SIZE:
             raise ValueError(f"{self.size} ranks x {len(self.pieces)} pieces exceed the {tags.STREAM_SIZE} tags of a ring")
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._sends: list[tuple[dist.Work, torch.Tensor, int]] = []  # (work, tensor kept alive, destination)
 
     def _peer(self, offset: int) -> int:
         return (self.rank + offset) % self.size
@@ -97,14 +97,17 @@ class _RingBase:
     def _tag(self, step: int, k: int) -> int:
         return tags.tag(self.stream, step * len(self.pieces) + k)
 
+    def _what(self, step: int, k: int) -> str:
+        return f"{self.stream}: step {step} piece {k} receive"
+
     def rows_of(self, owner: int, piece: Piece) -> slice:
         """Rows of ``piece`` of rank ``owner`` inside the gathered [R*s, ...] tensor."""
         base = owner * self.shard_rows
         return slice(base + piece.start, base + piece.stop)
 
     def _wait_sends(self):
-        for work, _keepalive in self._sends:
-            wait(work)
+        for work, _keepalive, dst in self._sends:
+            wait(work, f"{self.stream}: send", self.group, dst)
         self._sends.clear()
 
 
@@ -156,7 +159,7 @@ class RingAllGather(_RingBase):
             src=self._peer(-piece.direction),
             tag=self._tag(step, k),
         )
-        self._sends.append((send, tensor))
+        self._sends.append((send, tensor, self._peer(piece.direction)))
         self._recvs[(step + 1, k)] = recv
 
     def take(self, step: int, k: int) -> tuple[int, slice, torch.Tensor]:
@@ -167,7 +170,7 @@ class RingAllGather(_RingBase):
             return owner, rows, self.x_shard[piece.start : piece.stop]
         self._pump()
         if (step, k) in self._recvs:
-            wait(self._recvs.pop((step, k)))
+            wait(self._recvs.pop((step, k)), self._what(step, k), self.group, self._peer(-piece.direction))
             self._forward(step, k, self.gathered[rows])
         return owner, rows, self.gathered[rows]
 
@@ -180,9 +183,9 @@ class RingAllGather(_RingBase):
             if not work.is_completed():
                 return
             del self._recvs[key]
-            wait(work)
             step, k = key
             piece = self.pieces[k]
+            wait(work, self._what(step, k), self.group, self._peer(-piece.direction))
             self._forward(step, k, self.gathered[self.rows_of(self.owner(step, piece), piece)])
 
     def finish(self):
@@ -237,7 +240,7 @@ class RingReduceScatter(_ReduceScatterBase):
         acc = self.partial(self.dest(step, piece), piece, None)
         if step > 0:
             work, buf = self._recvs.pop((step, k))
-            wait(work)
+            wait(work, self._what(step, k), self.group, self._peer(-piece.direction))
             acc = buf.add_(acc)
         nxt = torch.empty_like(acc)
         send, recv = exchange(
@@ -248,7 +251,7 @@ class RingReduceScatter(_ReduceScatterBase):
             src=self._peer(-piece.direction),
             tag=self._tag(step, k),
         )
-        self._sends.append((send, acc))
+        self._sends.append((send, acc, self._peer(piece.direction)))
         self._recvs[(step + 1, k)] = (recv, nxt)
 
     def finish(self) -> torch.Tensor:
@@ -257,7 +260,7 @@ class RingReduceScatter(_ReduceScatterBase):
         for k, piece in enumerate(self.pieces):
             if (last, k) in self._recvs:
                 work, buf = self._recvs.pop((last, k))
-                wait(work)
+                wait(work, self._what(last, k), self.group, self._peer(-piece.direction))
                 self.out[piece.start : piece.stop].add_(buf)
         if self._recvs:
             raise RuntimeError(f"RingReduceScatter finished with steps never run: {sorted(self._recvs)}")
@@ -292,15 +295,15 @@ class A2AReduceScatter(_ReduceScatterBase):
             self.group, send=acc, dst=self._peer(offset), recv=buf, src=self._peer(-offset),
             tag=self._tag(step, k),
         )
-        self._sends.append((send, acc))
-        self._recvs.setdefault(k, []).append((recv, buf))
+        self._sends.append((send, acc, self._peer(offset)))
+        self._recvs.setdefault(k, []).append((recv, buf, self._peer(-offset), step))
 
     def finish(self) -> torch.Tensor:
         self._check_finish()
         for k, piece in enumerate(self.pieces):
             view = self.out[piece.start : piece.stop]
-            for work, buf in self._recvs.pop(k, []):
-                wait(work)
+            for work, buf, src, step in self._recvs.pop(k, []):
+                wait(work, self._what(step, k), self.group, src)
                 view.add_(buf)
         self._wait_sends()
         return self.out

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import tags
+from ..comm import tags, waits
 from ..comm.p2p import exchange
 from ..errors import OverlapConfigError
 from .layout import RingLayout, ZigzagLayout, group_to_natural
@@ -55,11 +55,11 @@ def _swap(parts: list, members: Members, recv_shape, stream: str) -> list:
         buf = parts[dst].new_empty(recv_shape)
         s_work, r_work = exchange(members.group, send=parts[dst], dst=members.ring.peer(off), recv=buf,
                                   src=members.ring.peer(-off), tag=tags.tag(stream, off))
-        pending.append((s_work, parts[dst]))
-        pending.append((r_work, buf))
+        pending.append((s_work, parts[dst], members.ring.peer(off), "send"))
+        pending.append((r_work, buf, members.ring.peer(-off), "receive"))
         got[src] = buf
-    for work, _tensor in pending:
-        work.wait()
+    for work, _tensor, peer, what in pending:
+        waits.wait(work, f"context-parallel all-to-all ({stream}) {what}", members.group, peer)
     return got
 
 
@@ -88,25 +88,27 @@ def head_to_seq(tensors: Sequence[torch.Tensor], members: Members, stream: str =
 class _SeqToHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, members, *tensors):
-        ctx.members = members
+        ctx.members, ctx.where = members, waits.current()
         return tuple(seq_to_head(tensors, members))
 
     @staticmethod
     def backward(ctx, *grads):
         grads = [torch.zeros_like(g) if g is None else g for g in grads]
-        return (None, *head_to_seq(grads, ctx.members, stream="cp.a2a_grad_out"))
+        with waits.restored(ctx.where, "backward"):
+            return (None, *head_to_seq(grads, ctx.members, stream="cp.a2a_grad_out"))
 
 
 class _HeadToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, members, *tensors):
-        ctx.members = members
+        ctx.members, ctx.where = members, waits.current()
         return tuple(head_to_seq(tensors, members))
 
     @staticmethod
     def backward(ctx, *grads):
         grads = [torch.zeros_like(g) if g is None else g for g in grads]
-        return (None, *seq_to_head(grads, ctx.members, stream="cp.a2a_grad_in"))
+        with waits.restored(ctx.where, "backward"):
+            return (None, *seq_to_head(grads, ctx.members, stream="cp.a2a_grad_in"))
 
 
 def check_a2a_heads(q_heads: int, kv_heads: int, size: int, flag: str, alternative: str):

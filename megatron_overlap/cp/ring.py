@@ -18,10 +18,10 @@ Backward (the ring again, the other way; dK/dV sums travel with it, dQ stays)::
     own block last  its dK/dV add to the sums that came home; the last hop travels meanwhile
 
 Every exchange posts its sends and receives together (``batch_isend_irecv``) and every rank posts
-them in the same order towards each peer, as NCCL needs; every wait is ``Work.wait()``, bounded
-by the process group's timeout. With ``overlap=False`` the same messages are sent, but each
-step waits for its block (and each dK/dV sum for its transfer) before computing: the baseline
-of the benchmark.
+them in the same order towards each peer, as NCCL needs; every wait is ``comm.waits.wait``, bounded
+by the process group's timeout (or ``comm.timeout_s``) and naming the step, piece and peer. With
+``overlap=False`` the same messages are sent, but each step waits for its block (and each dK/dV
+sum for its transfer) before computing: the baseline of the benchmark.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm import tags
+from ..comm import tags, waits
 from ..comm.p2p import exchange
 from .block import BlockPlan, BlockWork, attention_delta, block_attention, block_backward, merge_partial, pick
 from .layout import RingLayout
@@ -119,21 +119,27 @@ class _Sends:
     """Sends in flight with the tensors they read; all waited before the pass returns (gloo
     aborts unwaited sends)."""
 
-    def __init__(self):
+    def __init__(self, ring: "Ring"):
         self._works = []
+        self.ring = ring
 
-    def add(self, work, tensor, wait_now: bool):
+    def add(self, work, tensor, wait_now: bool, offset: int, what: str):
         if work is None:
             return
         if wait_now:
-            work.wait()
+            _wait(work, what, self.ring, offset)
         else:
-            self._works.append((work, tensor))
+            self._works.append((work, tensor, offset, what))
 
     def wait(self):
-        for work, _tensor in self._works:
-            work.wait()
+        for work, _tensor, offset, what in self._works:
+            _wait(work, what, self.ring, offset)
         self._works.clear()
+
+
+def _wait(work, what: str, ring: "Ring", offset: int):
+    """A ring transfer's wait (``comm.waits``): ``what`` and the peer at ``offset`` in the ring."""
+    waits.wait(work, f"ring attention {what} (ring position {ring.pos} of {ring.size})", ring.group, ring.peer(offset))
 
 
 def ring_forward(q, k, v, layout: RingLayout, ring: Ring, scale: float, opts: RingOptions):
@@ -143,7 +149,7 @@ def ring_forward(q, k, v, layout: RingLayout, ring: Ring, scale: float, opts: Ri
     P = len(layout.pieces)
     out = q.new_zeros(rows, b, hq, d, dtype=torch.float32)
     lse = q.new_full((b, hq, rows), float("-inf"), dtype=torch.float32)
-    sends, recvs = _Sends(), {}
+    sends, recvs = _Sends(ring), {}
 
     def piece_shape(i):
         start, stop = layout.pieces[i]
@@ -157,11 +163,11 @@ def ring_forward(q, k, v, layout: RingLayout, ring: Ring, scale: float, opts: Ri
         buf = k.new_empty(piece_shape(i)) if layout.travels(ring.at(-step - 1), i) else None
         s_work, r_work = exchange(ring.group, send=send, dst=ring.peer(1), recv=buf, src=ring.peer(-1),
                                   tag=_tag("cp.kv_forward", step, i, P))
-        sends.add(s_work, send, wait_now=not opts.overlap)
+        sends.add(s_work, send, not opts.overlap, 1, f"forward: K/V step {step} piece {i} send")
         if r_work is not None:
             if not opts.overlap:
-                r_work.wait()  # a gloo work waited twice blocks forever: hand on None
-                r_work = None
+                _wait(r_work, f"forward: K/V step {step + 1} piece {i} receive", ring, -1)
+                r_work = None  # a gloo work waited twice blocks forever: hand on None
             recvs[i] = (r_work, buf)
 
     held = [None] * P
@@ -184,7 +190,7 @@ def ring_forward(q, k, v, layout: RingLayout, ring: Ring, scale: float, opts: Ri
             if i in recvs:
                 work, buf = recvs.pop(i)
                 if work is not None:
-                    work.wait()
+                    _wait(work, f"forward: K/V step {step} piece {i} receive", ring, -1)
                 current[i] = buf
             if opts.overlap:
                 post(step, i, current[i])
@@ -205,7 +211,7 @@ def ring_backward(dout, q, k, v, out, lse, kept, layout: RingLayout, ring: Ring,
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    sends, kv_in, dkv_in = _Sends(), {}, {}
+    sends, kv_in, dkv_in = _Sends(ring), {}, {}
 
     def piece_shape(i):
         start, stop = layout.pieces[i]
@@ -219,10 +225,11 @@ def ring_backward(dout, q, k, v, out, lse, kept, layout: RingLayout, ring: Ring,
         buf = k.new_empty(piece_shape(i)) if layout.travels(ring.at(t + 1), i) else None
         s_work, r_work = exchange(ring.group, send=send, dst=ring.peer(-1), recv=buf, src=ring.peer(1),
                                   tag=_tag("cp.kv_backward", t, i, P))
-        sends.add(s_work, send, wait_now=not opts.overlap)
+        sends.add(s_work, send, not opts.overlap, -1, f"backward: K/V step {t} piece {i} send")
         if r_work is not None:
             if not opts.overlap:
-                r_work.wait()
+                _wait(r_work, f"backward: K/V step {t + 1} piece {i} receive", ring, 1)
+                r_work = None
             kv_in[i] = (r_work, buf)
 
     def post_dkv_recv(t: int, i: int):
@@ -248,7 +255,7 @@ def ring_backward(dout, q, k, v, out, lse, kept, layout: RingLayout, ring: Ring,
         for i in range(P):
             if opts.overlap and i in kv_in:
                 work, buf = kv_in.pop(i)
-                work.wait()
+                _wait(work, f"backward: K/V step {t} piece {i} receive", ring, 1)
                 current[i] = buf
             if opts.overlap:
                 post_kv(t, i, current[i])
@@ -257,13 +264,13 @@ def ring_backward(dout, q, k, v, out, lse, kept, layout: RingLayout, ring: Ring,
                                piece_shape(i))
             if (t, i) in dkv_in:
                 work, buf = dkv_in.pop((t, i))
-                work.wait()
+                _wait(work, f"backward: dK/dV step {t} piece {i} receive", ring, 1)
                 acc = buf if acc is None else buf.add_(acc)
             if acc is not None:
                 s_work, _ = exchange(ring.group, send=acc, dst=ring.peer(-1), tag=_tag("cp.dkv", t, i, P))
-                sends.add(s_work, acc, wait_now=not opts.overlap)
+                sends.add(s_work, acc, not opts.overlap, -1, f"backward: dK/dV step {t} piece {i} send")
         held = current
-    _own_block_and_home(q, k, v, out, lse, dout, delta, layout, x, n, scale, opts, dq, dk, dv, dkv_in)
+    _own_block_and_home(q, k, v, out, lse, dout, delta, layout, ring, scale, opts, dq, dk, dv, dkv_in)
     if kv_in or dkv_in:
         raise RuntimeError(f"ring backward finished with receives never used: {sorted(kv_in)}, {sorted(dkv_in)}")
     sends.wait()
@@ -284,8 +291,9 @@ def _piece_grads(q, kv, out, lse, dout, delta, plan, scale, opts, dq, shape):
     return acc
 
 
-def _own_block_and_home(q, k, v, out, lse, dout, delta, layout, x, n, scale, opts, dq, dk, dv, dkv_in):
+def _own_block_and_home(q, k, v, out, lse, dout, delta, layout, ring, scale, opts, dq, dk, dv, dkv_in):
     """The own block's gradients, and the dK/dV sums of our own K/V that came home (step n)."""
+    x, n = ring.pos, ring.size
     own = layout.own(x)
     if own is not None:
         g_q, g_k, g_v = _grads(q, k, v, out, lse, dout, delta, own, scale, opts)
@@ -295,7 +303,7 @@ def _own_block_and_home(q, k, v, out, lse, dout, delta, layout, x, n, scale, opt
     for i, (a, b_) in enumerate(layout.pieces):
         if (n, i) in dkv_in:
             work, buf = dkv_in.pop((n, i))
-            work.wait()
+            _wait(work, f"backward: dK/dV of the own block piece {i} receive (home)", ring, 1)
             dk[a:b_] += buf[0]
             dv[a:b_] += buf[1]
 
@@ -306,6 +314,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: RingLayout, ring: Ring, scale: float, opts: RingOptions):
         out, lse, kept = ring_forward(q, k, v, layout, ring, scale, opts)
+        ctx.where = waits.current()  # the layer (and HDP micro-batch) the backward's waits belong to
         ctx.save_for_backward(q, k, v, out, lse, *kept)
         ctx.layout, ctx.ring, ctx.scale, ctx.opts, ctx.pieces = layout, ring, scale, opts, len(kept)
         return out.to(q.dtype)
@@ -313,7 +322,8 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *kept = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, kept, ctx.layout, ctx.ring, ctx.scale, ctx.opts)
+        with waits.restored(ctx.where, "backward"):
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, kept, ctx.layout, ctx.ring, ctx.scale, ctx.opts)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

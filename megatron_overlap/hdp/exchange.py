@@ -21,6 +21,7 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..comm import waits
 from ..comm.agree import group_device
 from .layout import arange_ranges, doc_order
 from .plan import Plan
@@ -33,14 +34,15 @@ def gather_lengths(samples: Sequence[Sample], group) -> Tuple[tuple, tuple, tupl
     size, dev = dist.get_world_size(group), group_device(group)
     count = torch.tensor([len(samples)], dtype=torch.int64, device=dev)
     counts = [torch.empty_like(count) for _ in range(size)]
-    dist.all_gather(counts, count, group=group)
+    waits.wait(dist.all_gather(counts, count, group=group, async_op=True), "HDP lengths all-gather (sample counts)",
+               group)
     counts = [int(c.item()) for c in counts]
     mine = torch.zeros(max(1, max(counts)), 2, dtype=torch.float64)
     for i, s in enumerate(samples):
         mine[i, 0], mine[i, 1] = len(s), float(s.loss_mask.double().sum())
     mine = mine.to(dev)
     parts = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(parts, mine, group=group)
+    waits.wait(dist.all_gather(parts, mine, group=group, async_op=True), "HDP lengths all-gather", group)
     lens, weights, owners = [], [], []
     for r, (part, c) in enumerate(zip(parts, counts)):
         part = part.cpu()
@@ -101,9 +103,12 @@ def _all_to_all(plan, local_rows, owners, traffic, me, group):
                 send.extend(local_rows[i][a:b] for a, b in ranges)
     send_buf = (torch.cat(send) if send else torch.zeros(0, 3, dtype=torch.int64)).to(dev)
     recv_buf = torch.empty(sum(traffic[s][me] for s in range(size)), 3, dtype=torch.int64, device=dev)
-    dist.all_to_all_single(recv_buf.view(-1), send_buf.view(-1),
-                           output_split_sizes=[3 * traffic[s][me] for s in range(size)],
-                           input_split_sizes=[3 * traffic[me][d] for d in range(size)], group=group)
+    work = dist.all_to_all_single(recv_buf.view(-1), send_buf.view(-1),
+                                  output_split_sizes=[3 * traffic[s][me] for s in range(size)],
+                                  input_split_sizes=[3 * traffic[me][d] for d in range(size)], group=group,
+                                  async_op=True)
+    senders = [s for s in range(size) if s != me and traffic[s][me]] or [s for s in range(size) if s != me]
+    waits.wait(work, "HDP row exchange (all-to-all)", group, peers=senders)
     offsets, acc = [], 0
     for s in range(size):
         offsets.append(acc)

@@ -126,10 +126,12 @@ class MicroBatch:
         """Attention over this micro-batch's ring and, with ``model``, RoPE at the true positions
         (module docstring). Keep it entered through the forward (and the backward when
         activations are recomputed)."""
+        from ..comm import waits
         from ..cp import context as ring_context
 
         self.adapter.require_patched()
-        with ring_context.ring(self.group, self.layout.ring, packed=self.packed_seq_params):
+        label = f"HDP micro-batch {self.index}" + (f" (ring {list(self.ring)})" if len(self.ring) > 1 else "")
+        with ring_context.ring(self.group, self.layout.ring, packed=self.packed_seq_params), waits.at(label):
             if model is None:
                 yield
             else:
@@ -185,7 +187,7 @@ class HdpRuntime:
     builds one from the config of ``--hdp`` for Megatron's model and groups."""
 
     def __init__(self, capacity_tokens: int, group: dist.ProcessGroup, adapter, mode: str = "dp",
-                 scheduler: str = "hdp", cost=None, device=None, row_multiple: int = 1):
+                 scheduler: str = "hdp", cost=None, device=None, row_multiple: int = 1, timeout_s=None):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"the HDP runtime runs the {' or '.join(SCHEDULERS)} scheduler, not {scheduler!r}")
         if mode not in MODES:
@@ -196,6 +198,7 @@ class HdpRuntime:
             raise ValueError(f"row_multiple must be a positive integer, got {row_multiple!r}")
         self.capacity_tokens, self.mode, self.scheduler, self.cost = capacity_tokens, mode, scheduler, cost
         self.row_multiple = row_multiple
+        self.timeout_s = timeout_s  # comm.timeout_s: bounds the step's exchange (the rings: the attention's)
         self.group, self.adapter = group, adapter
         self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
         if device is None:
@@ -215,7 +218,13 @@ class HdpRuntime:
     def step(self, item) -> HdpStep:
         """Plan one step from this rank's samples (``as_samples`` formats) and load this rank's
         micro-batches. Collective: every rank of the group calls it."""
+        from ..comm import waits
+
         samples = as_samples(item)
+        with waits.at("HDP step", timeout_s=self.timeout_s):
+            return self._step(samples)
+
+    def _step(self, samples) -> HdpStep:
         lens, weights, owners = gather_lengths(samples, self.group)
         plan = self.plan(lens, home=[rank for rank, _ in owners])
         if any(p for ph in plan.phases for p in ph):

@@ -14,10 +14,11 @@ import inspect
 from dataclasses import dataclass
 from typing import Optional
 
+from ..comm import waits
 from ..config import ModelContext
 from ..cp.checks import check_cp_model
 from ..errors import OverlapConfigError
-from . import compat
+from . import compat, sites
 
 
 @dataclass(frozen=True)
@@ -123,9 +124,11 @@ def _attention_forward(inst, original):
                 raise OverlapConfigError("hdp.enabled", "hybrid data parallelism takes no attention bias")
             scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
             inst.calls["hdp.attention"] += 1
-            return cp_attention(query, key, value, mode="ring", causal=_is_causal(mask_type, ring.packed),
-                                group=ring.group, ranks=ring.ranks, softmax_scale=scale,
-                                packed=ring.packed if ring.packed is not None else packed_seq_params)
+            with waits.at(sites.layer_label(self.layer_number, "core attention forward"),
+                          timeout_s=inst.config.comm.timeout_s):
+                return cp_attention(query, key, value, mode="ring", causal=_is_causal(mask_type, ring.packed),
+                                    group=ring.group, ranks=ring.ranks, softmax_scale=scale,
+                                    packed=ring.packed if ring.packed is not None else packed_seq_params)
         layer: Optional[CPLayer] = getattr(self, ATTRIBUTE, None)
         if layer is None:
             return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
@@ -134,10 +137,12 @@ def _attention_forward(inst, original):
             raise OverlapConfigError("cp.mode", "context-parallel attention takes no attention bias")
         options = inst.ring_options
         inst.calls[f"cp.{layer.mode}"] += 1
-        return cp_attention(query, key, value, mode=layer.mode, causal=_is_causal(mask_type, packed_seq_params),
-                            group=layer.group, softmax_scale=layer.scale, packed=packed_seq_params,
-                            a2a_size=layer.a2a_size, overlap=options.overlap, kernel=options.kernel,
-                            work=options.work)
+        with waits.at(sites.layer_label(self.layer_number, "core attention forward"),
+                      timeout_s=inst.config.comm.timeout_s):
+            return cp_attention(query, key, value, mode=layer.mode, causal=_is_causal(mask_type, packed_seq_params),
+                                group=layer.group, softmax_scale=layer.scale, packed=packed_seq_params,
+                                a2a_size=layer.a2a_size, overlap=options.overlap, kernel=options.kernel,
+                                work=options.work)
 
     return forward
 

@@ -182,7 +182,8 @@ def make_runtime(hdp, group: Optional[dist.ProcessGroup] = None, **kwargs):
     (default: :func:`default_group`, the data-parallel ranks that share this rank's TP rank), with
     the Megatron model adapter and, with TP > 1, rows padded to a multiple of the TP size
     (sequence parallelism splits them; without it the padding is only wasted rows).
-    ``kwargs`` go to the runtime (``scheduler``, ``cost``, ``device``, ``row_multiple``)."""
+    ``kwargs`` go to the runtime (``scheduler``, ``cost``, ``device``, ``row_multiple``, ``timeout_s``:
+    default, the installed config's ``comm.timeout_s``)."""
     from ..hdp.runtime import HdpRuntime
 
     if not hdp.enabled:
@@ -193,5 +194,10 @@ def make_runtime(hdp, group: Optional[dist.ProcessGroup] = None, **kwargs):
 
         if parallel_state.model_parallel_is_initialized():
             kwargs["row_multiple"] = parallel_state.get_tensor_model_parallel_world_size()
+    if "timeout_s" not in kwargs:  # --overlap-timeout-s of the installation in force bounds the exchange too
+        from .install import active_config
+
+        config = active_config()
+        kwargs["timeout_s"] = config.comm.timeout_s if config is not None else None
     return HdpRuntime(hdp.max_tokens, group if group is not None else default_group(), MegatronModel(),
                       mode=hdp.mode, **kwargs)

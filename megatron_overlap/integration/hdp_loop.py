@@ -44,6 +44,7 @@ import importlib
 import sys
 from typing import List
 
+from ..comm import waits
 from ..errors import OverlapConfigError
 
 _NAME = "get_forward_backward_func"
@@ -168,20 +169,26 @@ class _Loop:
                                 num_microbatches=num_microbatches, **kwargs)
             config = get_model_config(model[0] if isinstance(model, list) else model)
             _check_script_path(self.inst, config)
-            step = HdpDataIterator(iter([self._documents(data_iterator, num_microbatches)]), self._runtime())
-            count = step.start_step()
-            self._count(step.current)
-            self.active = _Batches(step)
-            variable = config.variable_seq_lengths  # stages exchange each micro-batch's shape (they vary)
-            config.variable_seq_lengths = True
-            try:
-                return schedule(forward_step_func=_in_ring(forward_step_func), data_iterator=self.active,
-                                model=model, num_microbatches=count, **kwargs)
-            finally:
-                self.active = None
-                config.variable_seq_lengths = variable
+            with waits.at(timeout_s=self.inst.config.comm.timeout_s):  # the exchange's and the rings' bound
+                return self._step(schedule, forward_step_func, data_iterator, model, num_microbatches, config, kwargs)
 
         return forward_backward
+
+    def _step(self, schedule, forward_step_func, data_iterator, model, num_microbatches, config, kwargs):
+        from ..hdp.runtime import HdpDataIterator
+
+        step = HdpDataIterator(iter([self._documents(data_iterator, num_microbatches)]), self._runtime())
+        count = step.start_step()
+        self._count(step.current)
+        self.active = _Batches(step)
+        variable = config.variable_seq_lengths  # stages exchange each micro-batch's shape (they vary)
+        config.variable_seq_lengths = True
+        try:
+            return schedule(forward_step_func=_in_ring(forward_step_func), data_iterator=self.active,
+                            model=model, num_microbatches=count, **kwargs)
+        finally:
+            self.active = None
+            config.variable_seq_lengths = variable
 
     def _runtime(self):
         if self.runtime is None:

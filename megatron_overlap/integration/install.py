@@ -102,8 +102,10 @@ class Installation:
         self.attention_block = None  # the Attention whose core attention is being cut (sub_batches.py)
         self.projected = None  # (context rows, projection, bias) between a cut core attention and linear_proj
         self.checked: set = set()
+        self.sites: dict = {}  # (id(weight), shape) -> "layer 3 linear_fc1 (column, ...)": wait messages (sites.py)
         self._noticed: set = set()
-        self._saved: list = []  # (owner, name, original object)
+        self._saved: list = []  # (owner, name, original object, ours)
+        self.complete = True  # False once uninstall ran (some patch may be held under a foreign wrapper)
 
     @property
     def patched(self) -> bool:
@@ -116,15 +118,36 @@ class Installation:
 
     def set_attr(self, owner: Any, name: str, value: Any) -> None:
         """Replace ``owner.name`` by ``value``, remembering the exact object it was."""
-        self._saved.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
+        self._saved.append((owner, name, _get(owner, name), value))
         setattr(value, MARK, self)
         setattr(owner, name, value)
 
-    def uninstall(self) -> None:
-        """Restore every patched attribute to the exact object it was. Idempotent."""
-        for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
-        self._saved.clear()
+    def uninstall(self) -> list:
+        """Restore every patched attribute to the exact object it was. Idempotent. A patch that
+        someone else has wrapped (or replaced) since is left in place, with ours under it, and
+        said in a warning: restoring the original would drop their wrapper too. Returns those
+        (``module.attribute`` names); a later ``uninstall()``, once theirs is gone, restores ours."""
+        kept = []
+        self.complete = False  # from now on only what another wrapper holds may remain
+        for entry in reversed(self._saved):
+            owner, name, original, ours = entry
+            if _get(owner, name) is ours:
+                setattr(owner, name, original)
+            else:
+                kept.append(entry)
+        self._saved = kept[::-1]
+        names = [f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', getattr(o, '__name__', o))}.{n}"
+                 for o, n, _, _ in self._saved]
+        if names:
+            logger.warning("megatron-overlap: uninstall left %s in place: another wrapper was put over "
+                           "megatron-overlap's patch there after install, and removing ours would remove it too; "
+                           "remove that wrapper first, then uninstall again", ", ".join(names))
+        return names
+
+
+def _get(owner: Any, name: str) -> Any:
+    """The object at ``owner.name`` itself (a class's own ``__dict__`` entry, not a bound or inherited one)."""
+    return owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
 
 
 def find_installation() -> Optional[Installation]:
@@ -149,12 +172,17 @@ def active_config() -> Optional[OverlapConfig]:
     return inst.config if inst is not None else None
 
 
-def uninstall() -> None:
-    """Restore Megatron exactly as it was before ``install()``. Idempotent."""
+def uninstall() -> list:
+    """Restore Megatron exactly as it was before ``install()``. Idempotent. Patches another
+    wrapper was put over stay, with a warning (``Installation.uninstall``); their names are
+    returned."""
+    kept, seen = [], set()
     inst = find_installation()
-    while inst is not None:
-        inst.uninstall()
+    while inst is not None and id(inst) not in seen:
+        seen.add(id(inst))
+        kept += inst.uninstall()
         inst = find_installation()
+    return kept
 
 
 def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[RingOptions] = None) -> Installation:
@@ -181,12 +209,19 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
     check_hdp_model(config.hdp, context, config.pp)
     check_cp_model(config.cp, context)
     check_pp_model(config.pp, config.tp, context)
+    from . import preflight
+
+    preflight.check(config, context, notice)
 
     current = find_installation()
     if current is not None:
-        if (current.requested, current.context, current.ring_options) == (config, context, ring_options or RingOptions()):
+        if current.complete and (current.requested, current.context, current.ring_options) == (
+                config, context, ring_options or RingOptions()):
             return current
-        uninstall()
+        kept = uninstall()
+        if kept:
+            raise RuntimeError(f"megatron-overlap: cannot install over {', '.join(kept)}: a wrapper put there by "
+                               "other code holds the previous installation's patch; remove that wrapper first")
     tp_on = tp_overlap_applies(config.tp, context)
     if config.tp.enabled and not tp_on:
         notice(f"`tp.mode` {config.tp.mode} has nothing to overlap with tensor-parallel size 1; running stock "

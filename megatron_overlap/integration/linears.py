@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 
+from ..comm import waits
 from ..config import ModelContext
 from ..tp.checks import check_tp_model
 from ..tp.linear import ColumnParallelSP, DeferredWgradLinear, RowParallelSP, TPComm, WgradOptions
 from ..tp.plan import TPPlanner, tokens_per_row
-from . import compat
+from . import compat, sites
 
 _LINEAR_FN = "linear_with_grad_accumulation_and_async_allreduce"
 
@@ -113,9 +114,11 @@ def patch(inst) -> None:
     if inst.config.tp.autotune or inst.config.tp.plan_file:
         from ..tp.autotune import PlanTuner, load_plan_file
 
-        plans = load_plan_file(inst.config.tp.plan_file) if inst.config.tp.plan_file else None
-        tuner = PlanTuner(inst.config.tp.autotune, plans)
-    inst.tp = TPPlanner(inst.config.tp, make_backend(inst.config.tp.mode), tuner)
+        path = inst.config.tp.plan_file
+        rows = None if inst.config.hdp.enabled else inst.context.rows_per_rank()  # else: at the first step
+        plans = load_plan_file(path, rows) if path else None
+        tuner = PlanTuner(inst.config.tp.autotune, plans, plan_file=path or "the plan file")
+    inst.tp = TPPlanner(inst.config.tp, make_backend(inst.config.tp.mode, inst.config.comm.timeout_s), tuner)
     inst.set_attr(layers.RowParallelLinear, "forward", _row_forward(inst, layers.RowParallelLinear.__dict__["forward"]))
     if inst.config.tp.sub_batches > 1:
         from . import sub_batches
@@ -166,8 +169,10 @@ def _column_linear(inst, original):
         inst.calls["tp.column"] += 1
         sub = inst.sub_batch
         part = (sub, sub.index) if sub is not None and sub.parts and x is sub.parts[sub.index] else None
-        return ColumnParallelSP.apply(x, call.weight, call.bias, wgrad, _comm(inst, "column", group, x, call.weight,
-                                                                              x.shape[0], part))
+        comm = _comm(inst, "column", group, x, call.weight, x.shape[0], part)
+        with waits.at(sites.label_for_weight(inst, call.weight, "column") + " forward",
+                      timeout_s=inst.config.comm.timeout_s):
+            return ColumnParallelSP.apply(x, call.weight, call.bias, wgrad, comm)
 
     return linear
 
@@ -195,7 +200,9 @@ def _row_forward(inst, original):
         part = (sub, sub.index) if sub is not None and self is sub.row and self.skip_bias_add else None
         comm = _comm(inst, "row", group, input_, self.weight, rows, part)
         inst.calls["tp.row"] += 1
-        output_ = RowParallelSP.apply(input_, self.weight, WgradOptions(self.gradient_accumulation_fusion), comm)
+        with waits.at(sites.label_for_weight(inst, self.weight, "row", self) + " forward",
+                      timeout_s=inst.config.comm.timeout_s):
+            output_ = RowParallelSP.apply(input_, self.weight, WgradOptions(self.gradient_accumulation_fusion), comm)
         if not self.skip_bias_add:
             output = (output_ + self.bias) if self.bias is not None else output_
             return output, None

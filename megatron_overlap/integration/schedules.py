@@ -32,8 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..comm import tags
-from ..errors import OverlapConfigError
+from ..comm import tags, waits
+from ..errors import OverlapConfigError, render
 from ..pp import build
 from ..pp.schedule import ACT, B, F, POST, RECV, SEND, WAIT, W
 
@@ -85,7 +85,8 @@ def make_executor(inst):
         run = _Run(inst, schedules, with_model_type, forward_step_func, data_iterator, model, num_microbatches,
                    forward_only, collect_non_loss_data, first_val_step, p2p_communicator, pg_collection)
         run.shapes(seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn)
-        return run.execute(force_all_reduce)
+        with waits.at(timeout_s=inst.config.comm.timeout_s):  # --overlap-timeout-s: every wait below
+            return run.execute(force_all_reduce)
 
     forward_backward.megatron_overlap_schedule = True
     return forward_backward
@@ -191,6 +192,10 @@ class _Run:
         return self.data
 
     def _run(self, action):
+        with waits.at(f"pipeline stage {self.stage} {action}"):  # what the waits inside it belong to
+            self._act(action)
+
+    def _act(self, action):
         if action.op == POST:
             self._post(action.comms)
         elif action.op == WAIT:
@@ -258,12 +263,12 @@ class _Run:
     def _wait(self, c):
         for work in self.works.pop(c):
             try:
-                work.wait()
+                waits.wait(work, str(c), self.pp_group, c.peer)
             except RuntimeError as exc:
                 raise RuntimeError(
                     f"megatron-overlap pipeline stage {self.stage}: {c} did not complete "
                     f"({'the peer stage is silent or failed: ' if _timed_out(exc) else ''}{exc}); "
-                    f"the pipeline group's timeout bounds every wait") from exc
+                    + render("the pipeline group's timeout (or `comm.timeout_s`) bounds every wait")) from exc
         buf = self.buffers.pop(c)
         if c.op == RECV and c.kind == ACT:
             self.inputs[c.mb] = buf

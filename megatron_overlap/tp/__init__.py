@@ -14,6 +14,7 @@ The modes below are the values of ``OverlapConfig.tp`` (``--overlap-tp``); confi
 
 from __future__ import annotations
 
+from ..comm.tags import STREAM_SIZE
 from ..errors import OverlapConfigError
 
 TP_MODES = ("off", "p2p", "symm-mem", "fused", "auto")
@@ -21,15 +22,33 @@ BACKENDS = ("p2p", "symm-mem", "fused")  # what "auto" resolves to, once, at ins
 RS_ALGOS = ("ring", "a2a")
 
 
+MAX_CHUNKS = STREAM_SIZE  # a ring tags each of its (step, piece) messages inside one stream
+
+
 def check_chunks(value) -> int:
-    """The rule for ``tp.chunks``: 0 (the plugin chooses) or a positive count; multiples of the
-    TP size are checked once the TP size is known (``checks.check_tp_model``)."""
+    """The rule for ``tp.chunks``: 0 (the plugin chooses) or a positive count, at most what a
+    ring can tag; multiples of the TP size and the rows per rank are checked once they are known
+    (``checks.check_tp_model``, ``check_chunks_fit``)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise OverlapConfigError("tp.chunks", f"expected a whole number, got {value!r}")
+        raise OverlapConfigError("tp.chunks", f"expected a whole number, got {str(value)[:40]!r}")
     if value < 0:
         raise OverlapConfigError(
             "tp.chunks", f"must be 0 (choose automatically) or a positive multiple of the TP size, got {value}")
+    if value > MAX_CHUNKS:
+        raise OverlapConfigError(
+            "tp.chunks", f"{value} exceeds the {MAX_CHUNKS} messages a ring can tell apart; use fewer (a few per "
+            "rank is what pays off), or 0 to let the plugin choose")
     return value
+
+
+def check_chunks_fit(chunks_per_rank: int, rows: int, source: str, where: str, scale: int = 1) -> None:
+    """The one rule for how finely a rank's ``rows`` sequence rows may be cut, wherever the count
+    comes from (``tp.chunks`` as chunks x TP, a plan file's entry, the autotuner): at most one
+    chunk per row. ``scale`` turns the bound back into the source's unit (TP for ``tp.chunks``)."""
+    if chunks_per_rank > rows:
+        raise OverlapConfigError(
+            source, f"{where} cuts each rank's {rows} sequence rows into {chunks_per_rank} chunks, more than one "
+            f"per row; use at most {rows * scale} (or 0 to let the plugin choose)")
 
 
 def check_sub_batches(value, mode: str):

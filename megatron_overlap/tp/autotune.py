@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from ..comm.agree import GroupAgreement
 from ..errors import OverlapConfigError
+from . import MAX_CHUNKS, check_chunks_fit
 from ..tune.cache import DiskCache, choose, device_name, private_rng, time_call
 
 logger = logging.getLogger("megatron_overlap")
@@ -39,6 +41,8 @@ class PlanChoice:
 
     @classmethod
     def parse(cls, text: str) -> "PlanChoice":
+        if not isinstance(text, str) or len(text) > 40:
+            raise ValueError(f"not a plan choice: {str(text)[:40]!r} (expected e.g. 'c4t-ring' or 'c2-a2a')")
         try:
             head, rs = text.split("-", 1)
             taper = head.endswith("t")
@@ -71,22 +75,52 @@ def candidates(world: int, rows: int, batch: int) -> list:
     return out
 
 
-def load_plan_file(path: str) -> dict:
+MAX_PLAN_BYTES = 16 << 20  # a plan file holds a few entries per linear shape; more is not a plan file
+
+
+def load_plan_file(path: str, rows_per_rank: Optional[int] = None) -> dict:
     """``{shape key: PlanChoice}`` from a plan file (the autotuner's cache format, or
-    ``{key: "c2-ring"}``); a ``"default"`` key applies to every shape not listed."""
+    ``{key: "c2-ring"}``); a ``"default"`` key applies to every shape not listed. Read once, at
+    install, and held to the rules of ``--overlap-tp-chunks``: every entry a plan choice, each
+    chunk count at most one chunk per sequence row of its shape (the key's rows; for ``default``,
+    ``rows_per_rank`` when the model is known, else at the first step, ``TPPlanner``). Anything
+    else is refused naming the file and the entry."""
+    where = lambda entry: f"{path}: entry {entry!r}"  # noqa: E731
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise OverlapConfigError("tp.plan_file", f"cannot read {path}: {exc}") from None
+        if os.path.getsize(path) > MAX_PLAN_BYTES:
+            raise OverlapConfigError("tp.plan_file", f"{path} is over {MAX_PLAN_BYTES >> 20} MiB: not a plan file")
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise OverlapConfigError("tp.plan_file", f"cannot read {path}: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise OverlapConfigError("tp.plan_file", f"{path} holds a JSON {type(data).__name__}; a plan file is an "
+                                 "object {shape key: 'c2-ring' | {'choice': 'c2-ring'}}, e.g. "
+                                 "{\"default\": \"c2-ring\"}")
     plans = {}
     for key, value in data.items():
         text = value.get("choice") if isinstance(value, dict) else value
         try:
-            plans[key] = PlanChoice.parse(text)
-        except (ValueError, AttributeError, TypeError):
-            raise OverlapConfigError("tp.plan_file", f"{path}: entry {key!r} is not a plan choice ({value!r})") from None
+            plans[key] = choice = PlanChoice.parse(text)
+        except ValueError:
+            raise OverlapConfigError("tp.plan_file", f"{where(key)} is not a plan choice ({str(value)[:60]!r}); "
+                                     "expected e.g. 'c4t-ring' or 'c2-a2a'") from None
+        if choice.chunks > MAX_CHUNKS:
+            raise OverlapConfigError("tp.plan_file", f"{where(key)} ({choice.key()}) asks more chunks than the "
+                                     f"{MAX_CHUNKS} messages a ring can tell apart")
+        rows = rows_per_rank if key == "default" else _key_rows(key)
+        if rows is not None:
+            check_chunks_fit(choice.chunks, rows, "tp.plan_file", f"{where(key)} ({choice.key()})")
     return plans
+
+
+def _key_rows(key: str) -> Optional[int]:
+    """The rows per rank a cache key names (``...|rows64xb2|...``), None for other keys."""
+    parts = key.split("|")
+    if len(parts) > 1 and parts[1].startswith("rows") and "xb" in parts[1]:
+        digits = parts[1][4:].split("xb", 1)[0]
+        return int(digits) if digits.isdigit() and len(digits) < 12 else None
+    return None
 
 
 class PlanTuner:
@@ -94,9 +128,10 @@ class PlanTuner:
     injected (tests); by default the backend's primitives are timed."""
 
     def __init__(self, autotune: bool, plans: Optional[dict] = None, cache: Optional[DiskCache] = None,
-                 measure: Optional[Callable] = None, iterations: int = 3):
+                 measure: Optional[Callable] = None, iterations: int = 3, plan_file: str = "the plan file"):
         self.autotune = autotune
         self.plans = plans or {}
+        self.plan_file = plan_file  # where ``plans`` came from (messages)
         self.cache = cache or DiskCache("tp_plans")
         self.measure = measure
         self.iterations = iterations
@@ -107,10 +142,12 @@ class PlanTuner:
         batch = x[0].numel() // x.shape[-1] if x.shape[0] else 1
         world = group.size()
         key = shape_key(kind, rows, batch, weight.shape[1], weight.shape[0], x.dtype, world, x.device, backend.name)
-        if key in self.plans:
-            return self.plans[key]
-        if "default" in self.plans:
-            return self.plans["default"]
+        for entry in (key, "default"):
+            if entry in self.plans:  # the rows are known now: the file's entry held to the flag's rule
+                choice = self.plans[entry]
+                check_chunks_fit(choice.chunks, rows, "tp.plan_file", f"{self.plan_file}: entry {entry!r} "
+                                 f"({choice.key()})")
+                return choice
         if not self.autotune:
             return None
 

@@ -40,12 +40,11 @@ def check_tp_model(tp, ctx) -> None:
             raise OverlapConfigError(
                 "megatron.seq_length", f"{ctx.seq_length} is not divisible by the tensor-parallel size "
                 f"{ctx.tp_size}, which sequence parallelism needs")
-        rows = ctx.seq_length // ctx.tp_size
-        if tp.chunks and tp.chunks // ctx.tp_size > rows:
-            raise OverlapConfigError(
-                "tp.chunks", f"cuts each rank's {rows} sequence rows (seq-length {ctx.seq_length} / TP "
-                f"{ctx.tp_size}) into {tp.chunks // ctx.tp_size} chunks; use "
-                f"`tp.chunks` <= {rows * ctx.tp_size} (or 0 to let the plugin choose)")
+        if tp.chunks:
+            from . import check_chunks_fit
+
+            check_chunks_fit(tp.chunks // ctx.tp_size, ctx.seq_length // ctx.tp_size, "tp.chunks",
+                             f"{tp.chunks} (over TP {ctx.tp_size})", scale=ctx.tp_size)
 
 
 def tp_overlap_applies(tp, ctx) -> bool:

@@ -29,8 +29,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..comm import waits
 from ..comm.collectives import all_gather_into
-from ..trace.tracer import wait
 from .backends.base import TPBackend
 from .plan import TPPlan
 from .wgrad import as_2d, deferrable, deferred_weight_gradient, weight_gradient
@@ -83,13 +83,14 @@ class GatherSlot:
         x, parts = self._x, self._parts
         self._x, self._parts = None, []
         size = dist.get_world_size(self._group)
+        what = "all-gather of the wgrad input"
         if len(parts) == 1:
             _, _, buf, work = parts[0]
-            wait(work)
+            waits.wait(work, what, self._group)
             return buf.view(size * x.shape[0], *x.shape[1:])
         full = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
         for first, rows, buf, work in parts:
-            wait(work)
+            waits.wait(work, what, self._group)
             full[:, first : first + rows].copy_(buf)
         return full.view(size * x.shape[0], *x.shape[1:])
 
@@ -165,6 +166,7 @@ class ColumnParallelSP(torch.autograd.Function):
         ctx.main_grad = weight.main_grad if wgrad.accumulation_fusion and hasattr(weight, "main_grad") else None
         ctx.use_bias = bias is not None
         ctx.wgrad, ctx.comm = wgrad, comm
+        ctx.where = waits.current()  # the backward's waits say which layer they belong to
         ctx.slot = GatherSlot(input, comm.group, comm.plan.prefetch_fraction if comm.prefetch is not None else 0.0)
         if comm.prefetch is not None:
             comm.prefetch.offer(comm.group, ctx.slot)
@@ -178,6 +180,11 @@ class ColumnParallelSP(torch.autograd.Function):
     @staticmethod
     @_custom_bwd
     def backward(ctx, grad_output: torch.Tensor):
+        with waits.restored(ctx.where, "backward"):
+            return ColumnParallelSP._backward(ctx, grad_output)
+
+    @staticmethod
+    def _backward(ctx, grad_output: torch.Tensor):
         (input,), weight = ctx.saved_tensors, ctx.weight
         comm, wgrad = ctx.comm, ctx.wgrad
         if wgrad.accumulation_fusion:
@@ -226,6 +233,7 @@ class RowParallelSP(torch.autograd.Function):
         ctx.weight = weight  # the parameter itself (see ColumnParallelSP)
         ctx.main_grad = weight.main_grad if wgrad.accumulation_fusion and hasattr(weight, "main_grad") else None
         ctx.wgrad, ctx.comm = wgrad, comm
+        ctx.where = waits.current()
         ctx.prefetch_slot = comm.prefetch.claim(comm.group) if comm.prefetch is not None else None
         if comm.sub is None:
             return comm.backend.matmul_reduce_scatter(input, weight.t(), comm.group, comm.plan).finish()
@@ -240,6 +248,11 @@ class RowParallelSP(torch.autograd.Function):
     @staticmethod
     @_custom_bwd
     def backward(ctx, grad_output: torch.Tensor):
+        with waits.restored(ctx.where, "backward"):
+            return RowParallelSP._backward(ctx, grad_output)
+
+    @staticmethod
+    def _backward(ctx, grad_output: torch.Tensor):
         (input,), weight = ctx.saved_tensors, ctx.weight
         comm, wgrad = ctx.comm, ctx.wgrad
         if wgrad.accumulation_fusion:

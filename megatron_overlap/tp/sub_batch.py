@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import all_gather_into
-from ..trace.tracer import wait
+from ..comm import waits
 
 
 def split_sizes(rows: int, n: int) -> List[int]:
@@ -58,6 +58,7 @@ class SubBatches:
         self.grads: Tuple[torch.Tensor, ...] = ()
         self._gathers: Dict[Tuple[str, int], Tuple[torch.Tensor, object]] = {}
         self._pending: Dict[Tuple[str, int], object] = {}  # ("out" | "dx", j) -> a reduce-scatter's pending
+        self.where = waits.current()  # the block's labels, for the waits of its backward
 
     # -- gathers posted ahead ---------------------------------------------------------------------
     def prefetch(self, kind: str, j: int) -> None:
@@ -76,7 +77,7 @@ class SubBatches:
         if entry is None:
             return None
         buf, work = entry
-        wait(work)
+        waits.wait(work, f"sub-batch {j} all-gather of its {'input' if kind == 'x' else 'grad-output'}", self.group)
         return buf
 
     def has_gather(self, kind: str, j: int) -> bool:
@@ -106,7 +107,8 @@ class Split(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         sub, ctx.sub = ctx.sub, None
-        return sub.finish("dx", grads), None
+        with waits.restored(sub.where, "backward"):
+            return sub.finish("dx", grads), None
 
 
 class Join(torch.autograd.Function):

@@ -34,21 +34,16 @@ def wait(work) -> None:
         work.wait()
 
 
-def parse_iterations(text: str) -> frozenset:
-    """'3' or '3,5' or '3-5' -> {3} / {3, 5} / {3, 4, 5}."""
-    its = set()
+def parse_iterations(text: str):
+    """'3' or '3,5' or '3-5' -> the iterations, as ranges (``rules.iterations``: bounded, never
+    expanded); a ``ValueError`` for anything else."""
+    from ..errors import OverlapConfigError
+    from ..rules import iterations
+
     try:
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            if "-" in part:
-                a, b = part.split("-", 1)
-                its.update(range(int(a), int(b) + 1))
-            else:
-                its.add(int(part))
-    except ValueError:
-        its = set()
-    if not its or min(its) < 0:
-        raise ValueError(f"expected e.g. '3', '3,5' or '3-5' (iterations from 0), got {text!r}")
-    return frozenset(its)
+        return iterations(text, "trace.iterations")
+    except OverlapConfigError as exc:
+        raise ValueError(exc.reason) from None
 
 
 class StepTracer:
@@ -57,7 +52,8 @@ class StepTracer:
     def __init__(self, directory: str, iterations: Iterable[int], rank: int = 0, label: str = "",
                  link=None):
         self.directory = directory
-        self.iterations = frozenset(iterations)
+        # anything with `in` (rules.IterationSet: ranges); a plain iterable becomes a set
+        self.iterations = iterations if hasattr(iterations, "ranges") else frozenset(iterations)
         self.rank = rank
         self.label = label
         self.link = link  # an EmulatedLink whose spans go on the link track

@@ -50,7 +50,12 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
     else:
         allowed = [s for s in plan_candidates(run) if s.sub_batches in counts and (
             s.name == "megatron" or s.name == "p2p" or (s.name == "symm-mem" and symm_mem_usable))]
-    plan = make_plan(model, run, get_hardware(spec), allowed)
+    from .planner import UnbuildableError
+
+    try:
+        plan = make_plan(model, run, get_hardware(spec), allowed)
+    except UnbuildableError:  # install refuses these first (same rule); never pick for them
+        return None
     picks = [r for r in plan.ranked if backend is None or r.strategy.name == backend]
     return (picks[0], plan.stock) if picks else None
 

@@ -48,7 +48,33 @@ class Plan:
         return self.stock.step_ms / result.step_ms
 
 
+class UnbuildableError(ValueError):
+    """Megatron cannot build ``model`` in ``run``'s layout (``field``: the Megatron argument at
+    fault, ``rules.model_shape_problems``): no strategy, stock included, is ranked."""
+
+    def __init__(self, field: str, reason: str):
+        self.field, self.reason = field, reason
+        super().__init__(reason)
+
+
+def check_buildable(model: ModelSpec, run: RunSpec) -> None:
+    """Install's divisibility rules (``rules.model_shape_problems``), so the planner never ranks
+    a layout Megatron refuses; the reason says what builds instead."""
+    from ..rules import divisors_that_build, model_shape_problems
+
+    seq = None if run.phase == "decode" else run.seq  # decode: cached tokens, nothing split over TP
+    problems = model_shape_problems(run.tp, model.heads, model.kv_heads, seq, run.cp, run.sequence_parallel)
+    if problems:
+        field, reason = problems[0]
+        if field.endswith("tensor_model_parallel_size"):
+            sizes = divisors_that_build(max(8, run.tp), model.heads, model.kv_heads)
+            reason += (f" ({model.heads} query heads, {model.kv_heads} key/value heads; TP sizes that build: "
+                       f"{', '.join(map(str, sizes))})")
+        raise UnbuildableError(field, f"Megatron cannot build {model.name} at TP={run.tp} CP={run.cp}: {reason}")
+
+
 def make_plan(model: ModelSpec, run: RunSpec, hw, strategies: list = None) -> Plan:
+    check_buildable(model, run)
     results = [simulate(model, run, hw, s) for s in (strategies or candidates(run))]
     ranked = sorted((r for r in results if r.applicable), key=lambda r: (r.step_ms, r.strategy.name != "megatron"))
     pipeline = None

@@ -12,8 +12,10 @@ from .base import TPBackend, refuse
 from .p2p import P2PBackend
 
 
-def make_backend(name: str) -> TPBackend:
-    """The backend object; refuses (on ``tp.mode``) one that cannot run on this machine."""
+def make_backend(name: str, timeout_s=None) -> TPBackend:
+    """The backend object; refuses (on ``tp.mode``) one that cannot run on this machine.
+    ``timeout_s`` (``comm.timeout_s``): the fused kernels' flag waits give up after about as long
+    (default 300 s)."""
     if name == "p2p":
         return P2PBackend()
     if name == "symm-mem":
@@ -29,11 +31,12 @@ def make_backend(name: str) -> TPBackend:
         ok, why = fused.availability()
         if not ok:
             refuse("fused", why)
+        bound = {} if timeout_s is None else {"timeout_s": timeout_s}
         if fused.interpreting():
-            return fused.FusedBackend()  # fixed tile config: interpreter timings mean nothing
+            return fused.FusedBackend(**bound)  # fixed tile config: interpreter timings mean nothing
         from ...kernels.tuning import ConfigChooser
 
-        return fused.FusedBackend(configs=ConfigChooser())
+        return fused.FusedBackend(configs=ConfigChooser(), **bound)
     raise ValueError(f"unknown TP-overlap backend {name!r}")
 
 

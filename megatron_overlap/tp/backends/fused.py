@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ...comm import tags
 from ...comm.p2p import exchange
 from ...comm.rings import RingAllGather
-from ...trace.tracer import wait
+from ...comm import waits
 from .base import TPBackend, gathered_buffer, refuse
 
 
@@ -75,11 +75,15 @@ class FusedBackend(TPBackend):
         self.max_spins = spin_limit(timeout_s)  # every flag wait in the kernels ends
         self._streams: dict = {}  # transport stream per CUDA device
         self._watched: list = []  # (event, error word, kernel, describe) of kernels still running
+        self.timeout_s = timeout_s
 
     def _watch(self, error, kernel: str, describe, device) -> None:
         """Check ``error`` now on CPU; on a GPU once the kernel has finished (polled without a
         sync at the next fused op, and at every ``finish``): the host must not wait for a
         kernel that waits for the transport the host is about to issue."""
+        where = waits.current().describe()  # the layer the kernel ran for, for its message
+        if where:
+            describe = (lambda d: lambda index: f"{d(index)} [{where}]")(describe)
         if device.type != "cuda":
             self._raise_if_set(error, kernel, describe)
             return
@@ -208,7 +212,7 @@ class _PendingA2A:
         self.shape = (x.shape[0] // size, *x.shape[1:-1], n)
         self.received = torch.empty_like(slots)
         self.flags = torch.zeros(size, dtype=torch.int32, device=slots.device)
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.group = rank, size, group
         self.works = []
         for offset in range(1, size):
             dst, src = (rank + offset) % size, (rank - offset) % size
@@ -222,10 +226,10 @@ class _PendingA2A:
         from ...kernels.gemm_rs import reduce_slots
 
         for send, recv, src, _keep in self.works:
-            wait(recv)
+            waits.wait(recv, f"fused GEMM-RS: slot of group rank {src} receive", self.group, src)
             self.flags[src] = 1
-        for send, _recv, _src, _keep in self.works:
-            wait(send)
+        for send, _recv, src, _keep in self.works:
+            waits.wait(send, "fused GEMM-RS: slot send", self.group, (self.rank - (src - self.rank)) % self.size)
         order = [(self.rank - i) % self.size for i in range(self.size)]  # own first, then arrivals
         error = torch.zeros(1, dtype=torch.int32, device=self.received.device)
         out = reduce_slots(self.received, self.flags, order, max_spins=self.backend.max_spins, error=error)

@@ -1,0 +1,43 @@
+"""Rank functions of the issue-25 tests (module-level, so the pool imports them by name)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .rank_fns import _install, _layers, _run_layer
+
+
+def bit_identity(seed: int, cases) -> list:
+    """Stock Megatron Column/Row linears (TP=2, SP, fp32) against the patched ones for each
+    ``(rows per rank, micro-batch, --overlap-tp-chunks, bidirectional)`` of ``cases``: per case
+    the smallest piece in token rows and whether every output and gradient came out equal."""
+    from megatron_overlap.comm.rings import split_pieces
+    from megatron_overlap.lab import tiny_gpt
+
+    tiny_gpt.init_parallel(2, seed=seed)
+    _config, layers = _layers(2, fusion=False)
+    gen = torch.Generator().manual_seed(seed * 7 + dist.get_rank())
+    out = []
+    for s, b, chunks, bidir in cases:
+        pieces = split_pieces(s, chunks // 2, bidir)
+        equal, worst = True, 0.0
+        for name, layer in layers.items():
+            column = "column" in name
+            x = torch.randn(s if column else 2 * s, b, layer.input_size if column else layer.input_size_per_partition,
+                            generator=gen)
+            out_dim = layer.output_size_per_partition if column else layer.output_size
+            dy = torch.randn(2 * s if column else s, b, out_dim, generator=gen)
+            _install([])
+            stock = _run_layer(layer, x, dy, False)
+            _install(["--overlap-tp", "p2p", "--overlap-tp-chunks", str(chunks)]
+                     + (["--overlap-tp-bidirectional"] if bidir else []))
+            ours = _run_layer(layer, x, dy, False)
+            for key in stock:
+                equal &= torch.equal(ours[key], stock[key])
+                diff = (ours[key].double() - stock[key].double()).norm() / stock[key].double().norm().clamp_min(1e-30)
+                worst = max(worst, float(diff))
+        out.append(dict(case=(s, b, chunks, bidir), min_token_rows=min(p.rows for p in pieces) * b, equal=equal,
+                        rel=worst))
+    _install([])
+    return out
