@@ -409,11 +409,14 @@ def test_trace_report_says_what_is_measured(tmp_path):
     assert "n/a" in table and "not measured" in table and "measured gpu" in table and "lower bound" in table
 
 
-def test_bench_pp_smoke():
+def test_bench_pp_smoke(tmp_path):
     """Stock 1F1B and each of ours on 2 stages: the same losses, the same bytes on the link,
-    the saved-tensor hooks see activations, ZB-H1 keeps 1F1B's peak and K = 2p-1 holds more."""
+    the saved-tensor hooks see activations, ZB-H1 keeps 1F1B's peak and K = 2p-1 holds more.
+    Its measured F/B/W then drive the emulated cluster (``--write-durations``, ``--durations``)."""
+    durations = tmp_path / "durations.json"
     out = cli("bench", "pp", "--hidden", "64", "--ffn", "128", "--seq", "32", "--microbatches", "4",
-              "--steps", "1", "--warmup", "0", "--no-progress", "--json", timeout=600)
+              "--steps", "1", "--warmup", "0", "--no-progress", "--json", "--write-durations", str(durations),
+              timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     modes = result["modes"]
@@ -426,6 +429,15 @@ def test_bench_pp_smoke():
     assert modes["stock"]["peak_bytes"] > 0 and modes["zb"]["memory_vs_stock"] <= 1.15
     assert modes["1f1b-inflight"]["memory_vs_stock"] > 1.2  # 3 micro-batches on stage 0 instead of 2
     assert all(r["predicted_step_ms"] > 0 for r in modes.values()) and "predicted" in out.stdout
+    doc = json.loads(durations.read_text())
+    assert [s["f_ms"] for s in doc["stages"]] == [t["F"] for t in result["times_ms"]]
+    out = cli("bench", "pp", "--emulate", "--pp", "2", "--dp", "1", "--microbatches", "4", "--durations",
+              str(durations), "--steps", "1", "--warmup", "0", "--no-exposed", "--no-progress", "--json",
+              "--floor-time-limit", "5", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    emulated = json.loads(out.stdout.strip().splitlines()[-1])
+    assert emulated["losses_identical"] and "durations measured on this CPU" in out.stdout
+    assert emulated["times_ms"][0]["f"] == pytest.approx(doc["stages"][0]["f_ms"])
 
 
 def test_bench_pp_refuses_a_layout_it_cannot_split():

@@ -74,3 +74,29 @@ def test_bench_pp_emulate_command_line():
     assert out.returncode != 0 and "--hidden shape the real tiny GPT" in out.stderr
     out = cli("bench", "pp", "--dp", "2", "--no-progress")
     assert out.returncode == 2 and "--dp only apply with --emulate" in out.stderr
+
+
+def test_durations_files_are_checked_naming_what_is_missing(tmp_path):
+    from megatron_overlap.cli.bench_cluster import BenchError, check
+    from megatron_overlap.lab import durations
+
+    path = tmp_path / "d.json"
+    stage = {"f_ms": 10.0, "b_ms": 11.0, "w_ms": 5.0, "layers": 2, "params": [100, 200, 300]}
+    durations.write(str(path), [stage, dict(stage)], 4096, {"bandwidth_GBps": 0.01, "latency_us": 20.0}, 4, "test")
+    check(ClusterConfig(pp=2, dp=2, microbatches=4, durations=str(path)), cores=2, memory_gb=24)  # fine
+    with pytest.raises(BenchError, match=r"has durations for 2 stages, none for stages 2..3 of --pp 4: measure "
+                                         r"them with `bench pp --pp 4 --write-durations"):
+        check(ClusterConfig(pp=4, dp=2, microbatches=8, durations=str(path)), cores=2, memory_gb=24)
+    broken = tmp_path / "b.json"
+    durations.write(str(broken), [stage, {k: v for k, v in stage.items() if k != "w_ms"}], 4096,
+                    {"bandwidth_GBps": 0.01, "latency_us": 20.0}, 4, "test")
+    with pytest.raises(BenchError, match=r"stage 1 has no 'w_ms'"):
+        check(ClusterConfig(pp=2, dp=1, microbatches=4, durations=str(broken)), cores=2, memory_gb=24)
+    with pytest.raises(BenchError, match=r"cannot read it .* write one with `megatron-overlap bench pp --write-durations"):
+        check(ClusterConfig(pp=2, dp=1, microbatches=4, durations=str(tmp_path / "none.json")), cores=2, memory_gb=24)
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(BenchError, match=r"not a version-1 durations file"):
+        check(ClusterConfig(pp=2, dp=1, microbatches=4, durations=str(tmp_path / "list.json")), cores=2, memory_gb=24)
+    blocks = durations.stage_work(durations.read(str(path), 2))
+    assert [b.name for b in blocks[0]] == ["embedding", "stage 0 layer 0", "stage 0 layer 1"]
+    assert [b.name for b in blocks[1]][-1] == "output layer" and sum(b.f_ms for b in blocks[1]) == 10.0

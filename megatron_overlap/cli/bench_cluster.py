@@ -20,7 +20,8 @@ transfer free):
     bubble          mean over ranks of 1 - emulated compute / step
     exposed P2P     the step with DP free - the step with everything free
     exposed DP      the step - the step with DP free: the gradient reduce-scatter and the
-                    parameter all-gather left on the critical path
+                    parameter all-gather left on the critical path (medians over the rounds,
+                    their difference)
     peak act GB     micro-batches held at the peak (counted as the blocks run) x the cost
                     model's activations of one micro-batch on a stage (Korthikanti, flash)
     CPU             the busiest rank's CPU time per step, and its share of the step
@@ -42,7 +43,7 @@ NAMES = {"stock": "stock Megatron 1F1B", "1f1b": "1f1b (async P2P)", "zb": "zb (
          "1f1b-inflight": "1f1b, K = 2p-1"}
 KINDS = {"stock": "megatron", "1f1b": "1f1b", "zb": "zb", "1f1b-inflight": "1f1b"}
 RANKS_PER_CORE = 8  # emulated ranks one core serves with their wake-ups on time (BENCHMARKS.md, the lab check)
-RANK_MEMORY_GB = 0.6  # resident memory one emulated rank adds (measured ~0.35 GB; margin for gloo's buffers)
+RANK_MEMORY_GB = 0.6  # resident memory per emulated rank: 0.43 GB measured (RSS, PP=8, shared pages counted), plus margin
 FLOOR_MEMORY = 1.05
 
 
@@ -89,9 +90,17 @@ def check(cfg: ClusterConfig, ranks: int = 0, cores: int = 0, memory_gb: float =
                          "least one micro-batch per stage")
     if ranks and ranks != cfg.world:
         raise BenchError(f"--ranks {ranks} is not --pp {cfg.pp} x --dp {cfg.dp} = {cfg.world}; give two of them")
-    if cfg.model not in MODELS:
-        raise BenchError(f"no durations for model {cfg.model!r}: the cost model knows {', '.join(sorted(MODELS))}")
-    if cfg.hardware not in HARDWARE:
+    if cfg.durations:
+        from ..lab.durations import DurationsError, read
+
+        try:
+            read(cfg.durations, cfg.pp)
+        except DurationsError as exc:
+            raise BenchError(str(exc)) from None
+    elif cfg.model not in MODELS:
+        raise BenchError(f"no durations for model {cfg.model!r}: the cost model knows {', '.join(sorted(MODELS))} "
+                         "(or give --durations FILE, measured on this CPU by `bench pp --write-durations`)")
+    elif cfg.hardware not in HARDWARE:
         raise BenchError(f"no durations for hardware {cfg.hardware!r}: the cost model knows "
                          f"{', '.join(sorted(HARDWARE))}")
     from ..tune.strategies import STRATEGIES
@@ -104,19 +113,18 @@ def check(cfg: ClusterConfig, ranks: int = 0, cores: int = 0, memory_gb: float =
     if cfg.world > most:
         raise BenchError(f"{cfg.world} emulated ranks (PP {cfg.pp} x DP {cfg.dp}) is more than this machine holds: "
                          f"at most {most} ({why})")
-    from ..lab.cluster import link_spec
-    from ..tune.hardware import get_hardware
+    from ..lab.cluster import link_spec, modelled
 
-    spec = link_spec(cfg, get_hardware(cfg.hardware), 1.0)
     if cfg.node_size and cfg.world % cfg.node_size:
         raise BenchError(f"a two-tier link with --node-size {cfg.node_size} does not divide the {cfg.world} ranks "
                          f"into nodes: pick a node size that divides {cfg.world}")
-    spec.check_world(cfg.world)
-    from ..tune.models import get_model
+    if not cfg.durations:
+        from ..tune.models import get_model
 
-    layers = get_model(cfg.model).layers
-    if layers < cfg.pp:
-        raise BenchError(f"{cfg.model} has {layers} layers, fewer than --pp {cfg.pp} stages")
+        layers = get_model(cfg.model).layers
+        if layers < cfg.pp:
+            raise BenchError(f"{cfg.model} has {layers} layers, fewer than --pp {cfg.pp} stages")
+    link_spec(cfg, modelled(cfg)[2], 1.0).check_world(cfg.world)
 
 
 def run(cfg: ClusterConfig, progress: bool = True, timeline_png: str = "", floor_time_s: float = 120.0) -> dict:
@@ -217,9 +225,10 @@ def summarize(cfg: ClusterConfig, rounds: list, described: list, floor_time_s: f
              "bytes": max(x[mode]["link"]["bytes"] for x in rounds[-1])}
         r["cpu_share"] = r["cpu_ms"] / r["step_ms"]
         r["peak_activation_gb"] = r["peak_microbatches"] * costs.activation_bytes / 1e9
-        if "dp free" in variants:
-            r["dp_exposed_ms"] = statistics.median(step(pr, mode) - step(pr, mode, "dp free") for pr in rounds)
-            r["p2p_exposed_ms"] = statistics.median(step(pr, mode, "dp free") - step(pr, mode, "free") for pr in rounds)
+        if "dp free" in variants:  # differences of medians: one stalled round in a variant moves neither
+            dp_free = statistics.median(step(pr, mode, "dp free") for pr in rounds)
+            r["dp_exposed_ms"] = r["step_ms"] - dp_free
+            r["p2p_exposed_ms"] = dp_free - statistics.median(step(pr, mode, "free") for pr in rounds)
         p = pred["modes"][mode]
         r.update(predicted_step_ms=p["step_ms"], predicted_dp_exposed_ms=p["dp_exposed_ms"],
                  predicted_p2p_exposed_ms=p["p2p_exposed_ms"], predicted_bubble=p["bubble"],
@@ -265,13 +274,16 @@ def format_table(result: dict) -> str:
     t = result["times_ms"]
     link = result["link"]
     lines = [
-        f"emulated cluster (times, not numerics): {cfg['model']} on {cfg['hardware']}, TP={cfg['tp']} folded into "
-        f"each rank, PP={cfg['pp']} x DP={cfg['dp']} = {cfg['pp'] * cfg['dp']} ranks on this machine, m = "
-        f"{cfg['microbatches']}, seq {cfg['seq']}, {cfg['steps']} rounds (medians)",
-        f"compute: the cost model's F/B/W per block as waits; per stage F/B/W ms per micro-batch: "
+        f"emulated cluster (times, not numerics): "
+        + (f"durations measured on this CPU ({cfg['durations']})" if cfg.get("durations") else
+           f"{cfg['model']} on {cfg['hardware']}, TP={cfg['tp']} folded into each rank")
+        + f", PP={cfg['pp']} x DP={cfg['dp']} = {cfg['pp'] * cfg['dp']} ranks on this machine, m = "
+        f"{cfg['microbatches']}, {cfg['steps']} rounds (medians)",
+        f"compute: {'the measured' if cfg.get('durations') else 'the cost model' + chr(39) + 's'} F/B/W per block as "
+        "waits; per stage F/B/W ms per micro-batch: "
         + "; ".join(f"{x['f']:.1f}/{x['b']:.1f}/{x['w']:.1f}" for x in t),
         f"bytes x {result['scale']:.3g} (parameters, activations: {result['rows']} rows x 64), link bandwidth x the "
-        f"same: {link['bandwidth_GBps'] / result['scale']:.1f} GB/s per GPU port (modelled), "
+        f"same: {link['bandwidth_GBps'] / result['scale']:.3g} GB/s per GPU port (modelled), "
         f"{link['latency_us']:.1f} us + {link.get('launch_us', 0):.1f} us per op, a port per process group"
         + (f", nodes of {link['node_size']} ranks at {link['intra_GBps'] / result['scale']:.0f} GB/s" if
            link.get("node_size") else ""),
@@ -366,12 +378,16 @@ def add_emulate_args(parser) -> None:
                    help="skip the DP-free and free-link repeats (no exposed P2P / DP columns; 3x faster)")
     g.add_argument("--schedules", default=None,
                    help=f"comma-separated, of {', '.join(ALL_MODES)} (default {','.join(MODES)})")
+    g.add_argument("--durations", default=None, metavar="FILE",
+                   help="durations measured on this CPU (`bench pp --write-durations FILE`) instead of the cost "
+                   "model's for --model / --hardware")
     g.add_argument("--tp-strategy", default=None,
                    help="the TP strategy inside each stage the cost model times (default megatron: stock TP)")
     g.add_argument("--floor-time-limit", type=float, default=120.0, help="CP-SAT seconds for the floor")
 
 
-EMULATE_ONLY = ("dp", "ranks", "model", "hardware", "tp", "scale", "node_size", "schedules", "tp_strategy")
+EMULATE_ONLY = ("dp", "ranks", "model", "hardware", "tp", "scale", "node_size", "schedules", "tp_strategy",
+                "durations")
 REAL_ONLY = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "comm_ratio", "latency_us")
 
 
@@ -386,10 +402,12 @@ def emulate_main(args) -> int:
     for name, attr in (("pp", "pp"), ("microbatches", "microbatches"), ("steps", "steps"), ("warmup", "warmup"),
                        ("dp", "dp"), ("model", "model"), ("hardware", "hardware"), ("tp", "tp"),
                        ("scale", "scale"), ("node_size", "node_size"), ("seq", "seq"),
-                       ("micro_batch", "micro_batch"), ("tp_strategy", "tp_strategy")):
+                       ("micro_batch", "micro_batch"), ("tp_strategy", "tp_strategy"), ("durations", "durations")):
         v = getattr(args, attr, None)
         if v is not None:
             values[name] = v
+    if values["durations"] and getattr(args, "tp", None) is None:
+        values["tp"] = 1  # the measured ranks are whole stages of the CPU run
     if args.ranks and getattr(args, "dp", None) is None and args.ranks % values["pp"] == 0:
         values["dp"] = args.ranks // values["pp"]
     values["exposed"] = not args.no_exposed

@@ -39,6 +39,18 @@ NAMES = {"stock": "stock Megatron 1F1B", "1f1b": "1f1b (async P2P)", "1f1b-infli
          "zb": "zb (ZB-H1)"}
 
 
+def write_durations(path: str, cfg: PPBench, result: dict) -> None:
+    """This run's measured F/B/W per stage (on a free link), the tiny GPT's parameter tensors
+    per stage and the link it was calibrated to, for the emulated cluster (``lab/durations.py``)."""
+    from ..lab import durations
+
+    stages = [{"f_ms": t["F"], "b_ms": t["B"], "w_ms": t["W"], "layers": cfg.layers // cfg.pp, "params": params}
+              for t, params in zip(result["times_ms"], result["params"])]
+    durations.write(path, stages, result["act_bytes"], result["link"], 4,
+                    f"bench pp on this CPU: tiny GPT, {cfg.layers} layers, hidden {cfg.hidden}, ffn {cfg.ffn}, seq "
+                    f"{cfg.seq}, PP={cfg.pp}, m={cfg.microbatches}, comm ratio {cfg.comm_ratio}")
+
+
 def run(cfg: PPBench, progress: bool = True, timeline_png: str = "") -> dict:
     from tqdm import tqdm
 
@@ -82,7 +94,8 @@ def predict(cfg: PPBench, described: list) -> dict:
 def summarize(cfg: PPBench, rounds: list, described: list) -> dict:
     pred = predict(cfg, described)
     result = {"config": asdict(cfg), "link": described[0]["link"],
-              "times_ms": [d["times_ms"] for d in described], "modes": {}}
+              "times_ms": [d["times_ms"] for d in described], "modes": {},
+              "params": [d.get("params", []) for d in described], "act_bytes": described[0]["act_bytes"]}
     for mode in MODES:
         step = [1e3 * max(r[mode]["wall_s"] for r in per_rank) for per_rank in rounds]
         bubble = [statistics.mean(1 - r[mode]["busy_s"] / max(x[mode]["wall_s"] for x in per_rank) for r in per_rank)
@@ -236,6 +249,9 @@ def add_pp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--timeline", default="", metavar="PNG", help="draw one step per stage to PNG")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--write-durations", default="", metavar="FILE",
+                        help="write this run's measured F/B/W per stage, parameters and link to FILE, for "
+                        "`bench pp --emulate --durations FILE`")
     add_emulate_args(parser)
     return parser
 
@@ -271,6 +287,10 @@ def pp_main(args) -> int:
         return 2
     result = run(cfg, progress=not args.no_progress, timeline_png=args.timeline)
     print(format_table(result))
+    if args.write_durations:
+        write_durations(args.write_durations, cfg, result)
+        print(f"durations: {args.write_durations} (run them with `bench pp --emulate --pp {cfg.pp} --durations "
+              f"{args.write_durations}`)")
     if args.timeline:
         print(f"timeline: {result['timeline_png']}")
     if args.json:

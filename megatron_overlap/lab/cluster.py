@@ -59,6 +59,7 @@ class ClusterConfig:
     node_size: int = 0
     distributed_optimizer: bool = True
     tp_strategy: str = "megatron"  # the TP strategy inside each stage whose times the cost model gives
+    durations: str = ""  # a file of durations measured on this CPU (lab/durations.py) instead of the cost model
     steps: int = 4
     warmup: int = 1
     exposed: bool = True
@@ -71,17 +72,43 @@ class ClusterConfig:
 
 
 def modelled(cfg: ClusterConfig):
-    """(stage work, the modelled activation bytes, the cost model's run, hardware) of ``cfg``."""
+    """(the stages' costs, the cost model's run, hardware) of ``cfg``: the cost model's for the
+    named model and GPU, or a durations file's (``lab/durations.py``)."""
     from ..tune.hardware import get_hardware
     from ..tune.models import RunSpec, get_model
     from ..tune.pipeline import stage_costs
 
     from ..tune.strategies import Strategy
 
+    if cfg.durations:
+        return _measured(cfg)
     model, hw = get_model(cfg.model), get_hardware(cfg.hardware)
     run = RunSpec(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, seq=cfg.seq, micro_batch=cfg.micro_batch,
                   micro_batches=cfg.microbatches)
     return stage_costs(model, run, hw, Strategy(cfg.tp_strategy)), run, hw
+
+
+def _measured(cfg: ClusterConfig):
+    """Costs from a durations file measured on this CPU: its F/B/W and parameters per stage,
+    its link for the stage-to-stage transfers and the data-parallel sync alike."""
+    from ..tune.comm import p2p_ms
+    from ..tune.hardware import cpu_emulated_spec
+    from ..tune.models import RunSpec
+    from ..tune.pipeline import DPOptions, PipelineCosts, dp_syncs
+    from . import durations
+
+    doc = durations.read(cfg.durations, cfg.pp)
+    work = durations.stage_work(doc)
+    link = doc["link"]
+    hw = cpu_emulated_spec(1.0, 1.0, link["bandwidth_GBps"], link["latency_us"], dtype_bytes=doc["dtype_bytes"])
+    run = RunSpec(tp=1, pp=cfg.pp, dp=cfg.dp, seq=cfg.seq, micro_batch=cfg.micro_batch, micro_batches=cfg.microbatches)
+    times = durations.stage_times(doc)
+    nbytes = doc["transfer_bytes"]
+    act = doc.get("activation_bytes", nbytes)
+    costs = PipelineCosts(times, p2p_ms(nbytes, hw.inter), 0.0, dp_syncs(work, run, hw, DPOptions(
+        distributed_optimizer=cfg.distributed_optimizer, overlap_param_gather=cfg.distributed_optimizer)), act, work,
+        nbytes)
+    return costs, run, hw
 
 
 def placement(cfg: ClusterConfig, costs) -> tuple:
@@ -104,6 +131,8 @@ def link_spec(cfg: ClusterConfig, hw, scale: float):
 
     per_node = cfg.node_size or max(1, hw.gpus_per_node // cfg.tp)
     inter, intra = hw.inter, hw.intra
+    if per_node >= cfg.world and not cfg.node_size:  # every rank in one node: one tier, the node's
+        inter, per_node = intra, 1
     two_tier = per_node > 1
     return LinkSpec(bandwidth_GBps=inter.bandwidth_GBps * scale, latency_us=inter.latency_us,
                     launch_us=inter.launch_us, ports="group", node_size=per_node if two_tier else 0,

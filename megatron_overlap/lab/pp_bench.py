@@ -183,7 +183,7 @@ class PPBenchRanks:
     def describe(self) -> dict:
         return {"stage": self.stage, "times_ms": self.times, "link": self.spec.as_dict(),
                 "transfer_ms": 1e3 * self.spec.seconds(self.act_bytes, 0), "p2p_bytes": self.p2p_bytes,
-                "act_bytes": self.act_bytes}
+                "act_bytes": self.act_bytes, "params": [p.numel() for p in self.trainer.ddp.module.parameters()]}
 
     def round(self, index: int, record: bool = False) -> dict:
         order = list(MODES) if index % 2 == 0 else list(reversed(MODES))
