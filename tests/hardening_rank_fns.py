@@ -21,8 +21,9 @@ def bit_identity(seed: int, cases) -> list:
     out = []
     for s, b, chunks, bidir in cases:
         pieces = split_pieces(s, chunks // 2, bidir)
-        equal, worst = True, 0.0
+        equal, worst, premise = True, 0.0, True
         for name, layer in layers.items():
+            premise &= _rows_exact(layer.weight.detach(), [p.rows * b for p in pieces], 2 * s * b, gen)
             column = "column" in name
             x = torch.randn(s if column else 2 * s, b, layer.input_size if column else layer.input_size_per_partition,
                             generator=gen)
@@ -38,6 +39,21 @@ def bit_identity(seed: int, cases) -> list:
                 diff = (ours[key].double() - stock[key].double()).norm() / stock[key].double().norm().clamp_min(1e-30)
                 worst = max(worst, float(diff))
         out.append(dict(case=(s, b, chunks, bidir), min_token_rows=min(p.rows for p in pieces) * b, equal=equal,
-                        rel=worst))
+                        rel=worst, premise=premise))
     _install([])
     return out
+
+
+def _rows_exact(weight, piece_rows, total_rows, gen) -> bool:
+    """Whether this machine's BLAS gives a piece's rows exactly as the whole GEMM does, for
+    ``weight``'s shapes in both layouts a TP linear cuts: ``x @ W^T`` (forward, wgrad inputs)
+    and ``dy @ W`` (dgrad), every piece size used, at the start and the end of the rows."""
+    out_dim, in_dim = weight.shape
+    for k, w in ((in_dim, weight.t()), (out_dim, weight)):
+        x = torch.randn(total_rows, k, generator=gen)
+        whole = x @ w
+        for m in set(piece_rows):
+            for start in (0, total_rows - m):
+                if not torch.equal(x[start:start + m] @ w, whole[start:start + m]):
+                    return False
+    return True
