@@ -190,7 +190,8 @@ def test_demo_end_to_end(tmp_path):
               "--cluster", "2x2x4", "--cluster-model", "llama3-8b", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(result) == {"config", "link", "baseline", "overlap", "cluster"}
+    assert set(result) == {"config", "link", "baseline", "overlap", "cluster", "limit_ms", "ceiling"}
+    assert 0 < result["limit_ms"] < result["overlap"]["step_ms"] and "limit max(compute" in out.stdout
     # the second part: the emulated cluster (PP=2 x DP=2 here; 8 x 2 by default), every schedule's
     # losses equal, the limit and the floor below every measured step, the simulator beside it
     cluster = result["cluster"]

@@ -195,14 +195,15 @@ class DemoRanks:
             self.link.record_spans = record
             dist.barrier()
             self.link.reset()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             with tracer.step(index):
                 loss = tiny_gpt.train_step(self.models[mode], self.spec, index, lr=self.cfg.lr)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             stats = self.link.reset()
             megatron_overlap.uninstall()
+            # cpu_s: this rank's compute (its waits sleep; gloo works on its own threads)
             out[mode] = {"loss": loss, "wall_s": t1 - t0, "blocked_s": stats.blocked_s,
-                         "busy_s": stats.busy_s, "bytes": stats.total_bytes}
+                         "busy_s": stats.busy_s, "bytes": stats.total_bytes, "cpu_s": c1 - c0}
             if record:
                 out[mode]["trace"] = {
                     "step": (t0, t1),
