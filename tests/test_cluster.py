@@ -24,7 +24,7 @@ def test_the_emulated_cluster_reproduces_the_simulator(pool4):
     from megatron_overlap.lab.cluster import ClusterRanks
     from megatron_overlap.lab.session import RemoteSession
 
-    cfg = ClusterConfig(pp=2, dp=2, microbatches=4, steps=2, warmup=1, exposed=False)
+    cfg = ClusterConfig(pp=2, dp=2, microbatches=4, steps=3, warmup=1, exposed=False)  # a median of 3: one late wake-up moves none
     ranks = RemoteSession(pool4, ClusterRanks, asdict(cfg))
     try:
         rounds = ranks.rounds(cfg.warmup, cfg.steps)

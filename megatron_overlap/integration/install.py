@@ -234,7 +234,7 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
     if not tp_on and not config.trace.enabled and not cp_on and not pp_on:
         return Installation(config, context)
 
-    from . import attention, hdp_loop, linears, norms, schedules, training
+    from . import linears
     from ..pp.checks import resolve_auto as resolve_pp
 
     requested = config
@@ -253,6 +253,15 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
         notice(f"`pp.mode` zb: weight gradients placed for F/B/W = {'/'.join(f'{x:g}' for x in inst.pp_times)} "
                f"(the cost model's best placement on {predicted['hardware']})")
     inst.tp_overlap = config.tp.enabled and tp_on
+    _apply(inst, cp_on, pp_on)
+    return inst
+
+
+def _apply(inst: Installation, cp_on: bool, pp_on: bool) -> None:
+    """Patch Megatron for the resolved config; on any failure, nothing stays half-installed."""
+    from . import attention, hdp_loop, linears, norms, schedules, training
+
+    config = inst.config
     try:
         if inst.tp_overlap or config.pp.split:
             linears.patch(inst)
@@ -267,4 +276,3 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
     except BaseException:
         inst.uninstall()  # nothing half-installed
         raise
-    return inst

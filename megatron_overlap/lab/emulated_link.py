@@ -50,11 +50,10 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
-from torch.profiler import record_function
 
-from ..trace.tracer import WAIT
 from .deadline_board import DeadlineBoard
 from .link_spec import LinkSpec, LinkStats, Span
+from .link_work import _EmuWork, _RecvWork
 
 __all__ = ["EmulatedLink", "LinkSpec", "LinkStats", "Span"]
 
@@ -74,64 +73,6 @@ _COLLECTIVES = (
 _P2P = ("isend", "irecv")
 _COALESCING = "_coalescing_manager"
 _REBIND_PREFIXES = ("megatron", "megatron_overlap")
-
-
-class _EmuWork:
-    """A work handle whose wait() also honours the emulated deadline."""
-
-    def __init__(self, link: "EmulatedLink", real, deadline: float, op: str = ""):
-        self._link = link
-        self._real = real
-        self._deadline = deadline
-        self._done = False
-        self._op = op
-
-    def wait(self, timeout=None):
-        if self._done:
-            return True
-        t0 = time.perf_counter()
-        with record_function(WAIT):  # marks stock Megatron's waits for --overlap-trace too
-            if self._real is not None:
-                self._real.wait() if timeout is None else self._real.wait(timeout)
-            self._arrived()
-            left = self._deadline - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
-        self._done = True
-        self._link._blocked(t0, time.perf_counter(), self._op)
-        if self._link.clock is not None:
-            self._link.clock.resume_at(self._deadline)
-        return True
-
-    def _arrived(self):
-        """Called once the real operation is done (a receive learns its deadline here)."""
-
-    def is_completed(self):
-        if self._done:
-            return True
-        if self._real is not None and not self._real.is_completed():
-            return False
-        self._arrived()
-        return time.perf_counter() >= self._deadline
-
-    def is_success(self):
-        return True
-
-    def result(self):
-        return self._real.result() if self._real is not None else []
-
-
-class _RecvWork(_EmuWork):
-    """A receive whose deadline is read off the board once the data is there."""
-
-    def __init__(self, link, real, key):
-        super().__init__(link, real, float("inf"), "irecv")
-        self._key = key
-
-    def _arrived(self):
-        if self._key is not None:
-            self._deadline = self._link._board.take(*self._key)
-            self._key = None
 
 
 class EmulatedLink:
