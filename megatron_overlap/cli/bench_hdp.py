@@ -6,9 +6,11 @@ cost model and step simulator, and a second time by megatron-core's own model. S
     hdp_fewest          ours, every sequence on the fewest ranks that hold it (``spread=False``)
     hdp                 ours (scheduler.py): rings spread for balance where the step gets shorter
 
-Batches: ``--lengths-file F`` (one token count per line; a blank line ends a full batch, so a
-file without blank lines is one batch; ``#`` starts a comment), ``--corpus packages`` (real
-lengths from this machine: ``corpus.py``), or a built-in distribution,
+Batches: ``--lengths-file F`` (one token count per line, ``#`` starts a comment; with
+``--batch-tokens T`` its sequences are cut, in file order, into full batches of at least T tokens,
+without it a blank line ends a full batch, and a file without blank lines is refused: a list of
+document lengths is not one step), ``--corpus packages`` (real lengths from this machine:
+``corpus.py``, read again reshuffled until it gives ``--steps`` batches), or a built-in distribution,
 drawn with a fixed seed (``--seed``), ``--steps`` batches of ``--batch-tokens`` tokens each
 (default 8 x R x C: 8 micro-batches of C tokens per rank on average; the last sequence drawn
 may overshoot the budget):
@@ -46,8 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import re
 import sys
 import time
@@ -58,64 +58,9 @@ from ..tune.models import MODELS
 from ..errors import OverlapConfigError
 from ..hdp.cost import HdpCostModel
 from ..hdp.scheduler import CAPACITY_FIELD, MODES
+from .hdp_batches import DISTRIBUTIONS, draw_batches, load_batches, max_len_for, read_lengths_file  # noqa: F401
 
-DISTRIBUTIONS = ("heavy-tailed", "uniform")
 SCHEDULER_NAMES = ("static", "megatron_balanced", "hdp_fewest", "hdp")
-MIN_LEN = 64
-HEAVY_MEDIAN = 2048
-HEAVY_SIGMA = 1.8
-
-
-def max_len_for(ranks: int, capacity_tokens: int, max_len: int) -> int:
-    """``max_len`` lowered to the longest sequence R ranks hold: C on one rank, R x 2 floor(C/2)
-    on a ring of all R (a zigzag shard needs an even C)."""
-    return max(1, min(max_len, max(capacity_tokens, ranks * 2 * (capacity_tokens // 2))))
-
-
-def draw_batches(distribution: str, steps: int, batch_tokens: int, max_len: int, seed: int = 0) -> List[List[int]]:
-    """``steps`` batches of at least ``batch_tokens`` tokens from a built-in distribution (module
-    docstring); the same arguments give the same batches on every machine (``random.Random``)."""
-    if distribution not in DISTRIBUTIONS:
-        raise ValueError(f"unknown distribution {distribution!r}: choose one of {', '.join(DISTRIBUTIONS)}")
-    if steps < 1 or batch_tokens < 1:
-        raise ValueError(f"steps and batch tokens must be >= 1, got {steps} and {batch_tokens}")
-    rng = random.Random(f"hdp-{distribution}-{seed}")  # a str seed goes through sha512: no hash()
-    hi = max(1, max_len)
-    lo = min(MIN_LEN, hi)
-    batches = []
-    for _ in range(steps):
-        batch, total = [], 0
-        while total < batch_tokens:
-            if distribution == "heavy-tailed":
-                length = int(round(rng.lognormvariate(math.log(HEAVY_MEDIAN), HEAVY_SIGMA)))
-            else:
-                length = rng.randint(lo, hi)
-            length = min(hi, max(lo, length))
-            batch.append(length)
-            total += length
-        batches.append(batch)
-    return batches
-
-
-def read_lengths_file(path: str) -> List[List[int]]:
-    """Batches from a file: one token count per line, a blank line between batches, ``#`` comments."""
-    batches: List[List[int]] = [[]]
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            text = line.split("#", 1)[0].strip()
-            if not text:
-                if not line.lstrip().startswith("#") and batches[-1]:
-                    batches.append([])
-                continue
-            try:
-                length = int(text)
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: {text!r} is not a token count (one integer per line)") from None
-            batches[-1].append(length)
-    batches = [b for b in batches if b]
-    if not batches:
-        raise ValueError(f"{path}: no sequence lengths (expected one token count per line)")
-    return batches
 
 
 def _shape(note: str) -> str:
@@ -290,8 +235,9 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens-per-rank", type=int, default=32768, metavar="C",
                         help="C: rows one rank holds in a micro-batch (--hdp-max-tokens-per-rank)")
     parser.add_argument("--steps", type=int, default=4, help="full batches drawn from the distribution")
-    parser.add_argument("--batch-tokens", type=int, default=0,
-                        help="tokens per drawn full batch (default 8 x R x C)")
+    parser.add_argument("--batch-tokens", type=int, default=0, metavar="T",
+                        help="tokens per full batch: drawn, dealt from --corpus, or cut from --lengths-file in file "
+                             "order (default 8 x R x C; a lengths file without blank lines needs it)")
     parser.add_argument("--max-len", type=int, default=None,
                         help="longest sequence: drawn (default 262144), or where --corpus cuts its documents "
                              "(default: what the R ranks hold)")
@@ -316,21 +262,7 @@ def hdp_main(args) -> int:
             raise ValueError(f"--ranks must be >= 1, got {R}")
         if args.microbatch_overhead_ms < 0:
             raise ValueError(f"--microbatch-overhead-ms must be >= 0, got {args.microbatch_overhead_ms}")
-        if args.lengths_file and args.corpus:
-            raise ValueError("pass --lengths-file or --corpus, not both")
-        if args.lengths_file:
-            batches = read_lengths_file(args.lengths_file)
-            source = args.lengths_file
-        elif args.corpus:
-            from .corpus import corpus_batches, describe, package_documents
-
-            batches = corpus_batches(package_documents(), args.batch_tokens or 8 * R * C,
-                                     max_len_for(R, C, args.max_len or R * C), args.seed)
-            source = f"corpus {args.corpus} ({describe(batches)})"
-        else:
-            max_len = max_len_for(R, C, args.max_len or 262144)
-            batches = draw_batches(args.distribution, args.steps, args.batch_tokens or 8 * R * C, max_len, args.seed)
-            source = f"{args.distribution} (seed {args.seed}, max {max_len})"
+        batches, source = load_batches(args)
         cost = HdpCostModel.named(args.hardware, args.model)
         if args.write_lengths:
             with open(args.write_lengths, "w") as f:
