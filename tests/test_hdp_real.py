@@ -2,13 +2,19 @@
 file, the refusal of a file that is one batch by accident, the guard that keeps a plan never more
 than 1% slower than megatron-core's under either cost model, and the planner's speed."""
 
+import collections
 import io
 import json
+import random
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
 from megatron_overlap.cli.corpus import corpus_batches, cut_batches
+from megatron_overlap.hdp import HdpCostModel, schedule_hdp, simulate
+from megatron_overlap.integration.baselines import schedule_megatron_balanced
+
+COST = HdpCostModel()
 
 
 def _cli(*argv):
@@ -61,3 +67,43 @@ def test_a_lengths_file_without_blank_lines_is_refused_with_the_reason(tmp_path)
     assert (f"{f} has no blank line between batches, so it would be one full batch of 1846 sequences "
             f"(15015000 tokens, the longest 2100000), planned as one step: pass --batch-tokens T") in err
     assert "8 x R x C = 16777216 here" in err and "or put a blank line after each batch" in err
+
+
+def _random_batch(seed):
+    rng = random.Random(seed)
+    R, C = rng.choice([2, 4, 8, 16]), rng.choice([64, 256, 1024, 4096])
+    lens = [min(R * C, max(1, int(rng.lognormvariate(rng.uniform(3, 7), rng.uniform(0.5, 2.0)))))
+            for _ in range(rng.randint(1, 40))]
+    return lens, R, C
+
+
+def test_guard_never_slower_than_megatron_cores_plan_on_random_batches():
+    """The guard's plan (ours, or megatron-core's run as one phase) against megatron-core's plan
+    as it runs (with its barriers): never more than 1% slower under our cost model or under its
+    own L^2 / cp model, on random batches (power-of-two R: its scheduler fails on others). Its
+    one-phase plan is never slower than the phased one (max-plus: a barrier only adds waits);
+    our plan is kept unless it is slower; both outcomes occur."""
+    from megatron_overlap.hdp.guard import guarded, models_for, one_phase
+
+    kept = collections.Counter()
+    for seed in range(150):
+        lens, R, C = _random_batch(seed)
+        peer = schedule_megatron_balanced(lens, R, C)
+        ours = schedule_hdp(lens, R, C, COST)
+        plan = guarded(ours, peer, COST)
+        plan.validate()
+        assert set(plan.phases[0]) <= {0} and plan.scheduler == "hdp"
+        steps = {}
+        for m in models_for(COST):
+            ref = simulate(peer, m).step_ms
+            assert simulate(one_phase(peer), m).step_ms <= ref * (1 + 1e-12), seed
+            assert simulate(plan, m).step_ms <= 1.01 * ref, (seed, lens, R, C)
+            steps[m] = (simulate(ours, m).step_ms, ref)
+        if plan is ours:
+            kept["ours"] += 1
+        else:
+            kept["megatron"] += 1
+            assert any(s > 1.01 * ref for s, ref in steps.values()), seed  # switched only when ours was slower
+            assert plan.notes[-1].startswith("guard: megatron-core's plan kept")
+    assert kept["ours"] > 0 and kept["megatron"] > 0, kept
+    assert guarded(ours, None, COST) is ours  # no peer (megatron-core absent or failed): ours
