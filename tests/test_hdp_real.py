@@ -107,3 +107,33 @@ def test_guard_never_slower_than_megatron_cores_plan_on_random_batches():
             assert plan.notes[-1].startswith("guard: megatron-core's plan kept")
     assert kept["ours"] > 0 and kept["megatron"] > 0, kept
     assert guarded(ours, None, COST) is ours  # no peer (megatron-core absent or failed): ours
+
+
+def test_the_fast_planner_scores_every_ring_size_as_the_plain_loop_does():
+    """The scheduler's numpy scan over ring sizes (``sizes.RingSizes.estimates``) and the
+    lower bound's (``simulate.sequence_options``) give the plain loop's numbers exactly, under
+    both cost models, so the fast planner makes the same plans."""
+    from megatron_overlap.hdp.cost import SquareWorkload
+    from megatron_overlap.hdp.simulate import sequence_options
+    from megatron_overlap.hdp.sizes import RingSizes
+
+    class Plain:  # the same model without the vectorised method: sequence_options' loop
+        def __init__(self, cost):
+            self.cost, self.gpus_per_node = cost, cost.gpus_per_node
+
+        def sequence_ms(self, *a):
+            return self.cost.sequence_ms(*a)
+
+    rng = random.Random(5)
+    for cost in (COST, SquareWorkload()):
+        for _ in range(20):
+            R, L = rng.choice([24, 64, 256]), rng.randint(1000, 2_000_000)
+            clock = [rng.choice([0.0, rng.uniform(0, 500)]) for _ in range(R)]
+            sizes = RingSizes(L, clock, cost)
+            placed, rest = sum(clock), rng.uniform(0, 1e5)
+            fast = sizes.estimates(9, R, placed, rest)
+            for n in range(9, R + 1):
+                _, start, end, waits = sizes.best(n)
+                assert fast[n] == max(end, (placed + n * (end - start) + waits + rest) / R), (n, L)
+            low = rng.choice([1, 2, 5])
+            assert sequence_options(L, low, R, cost) == sequence_options(L, low, R, Plain(cost))
