@@ -137,3 +137,78 @@ def test_the_fast_planner_scores_every_ring_size_as_the_plain_loop_does():
                 assert fast[n] == max(end, (placed + n * (end - start) + waits + rest) / R), (n, L)
             low = rng.choice([1, 2, 5])
             assert sequence_options(L, low, R, cost) == sequence_options(L, low, R, Plain(cost))
+
+
+class _Runtime:
+    """The runtime's three step parts without ranks: ``gather`` deals sample i to rank i mod R
+    (one process plays every rank), ``load`` keeps the plan; the planner is the runtime's own."""
+
+    def __init__(self, planner):
+        self.planner, self.loaded = planner, []
+
+    def gather(self, samples):
+        from megatron_overlap.hdp.runtime import Gathered
+
+        R = self.planner.ranks
+        return Gathered(tuple(len(s) for s in samples), tuple(float(len(s)) for s in samples),
+                        tuple((i % R, i // R) for i in range(len(samples))))
+
+    def load(self, samples, gathered, plan):
+        import types
+
+        self.loaded.append(plan)
+        mb = types.SimpleNamespace(batch=lambda: {"tokens": None})
+        return types.SimpleNamespace(plan=plan, microbatches=[mb] * max(1, len(plan.microbatches[0])),
+                                     global_tokens=sum(gathered.weights))
+
+    def step(self, item):
+        from megatron_overlap.hdp.samples import as_samples
+
+        samples = as_samples(item)
+        g = self.gather(samples)
+        return self.load(samples, g, self.planner(g.seq_lens, g.home))
+
+
+def _steps(count, seed=3):
+    import torch
+
+    rng = random.Random(seed)
+    for _ in range(count):
+        lens = [rng.choice([rng.randint(1, 800), rng.randint(800, 12000)]) for _ in range(rng.randint(3, 30))]
+        yield [(torch.zeros(L, dtype=torch.long), torch.zeros(L, dtype=torch.long)) for L in lens]
+
+
+def _run(iterator):
+    out = []
+    while True:
+        try:
+            count = iterator.start_step()
+        except StopIteration:
+            return out
+        for _ in range(count):
+            next(iterator)
+        out.append(iterator.current.plan)
+
+
+def test_planning_ahead_gives_the_inline_plans_and_survives_the_data_ending():
+    """``HdpDataIterator(plan_ahead=True)``: step k+1 planned in a helper process while step k
+    trains. The plans (guarded by megatron-core's scheduler, pickled into the helper) are the
+    inline ones, step for step; when the data iterator ends while the next step is read, the
+    current step still runs and the next ``start_step()`` raises ``StopIteration``, as inline;
+    an iterator that is empty from the start raises at once."""
+    from megatron_overlap.hdp.planahead import HdpDataIterator, Planner
+
+    planner = Planner("hdp", 8, 4096, peer=schedule_megatron_balanced)
+    inline = _run(HdpDataIterator(_steps(5), _Runtime(planner)))
+    runtime = _Runtime(planner)
+    ahead = HdpDataIterator(_steps(5), runtime, plan_ahead=True)
+    planned = _run(ahead)
+    assert len(inline) == len(planned) == 5 and len(runtime.loaded) == 5
+    assert [repr(p.microbatches) for p in planned] == [repr(p.microbatches) for p in inline]
+    assert ahead._helper._pool is None  # stopped when the data ended
+    with pytest.raises(StopIteration):
+        ahead.start_step()
+    empty = HdpDataIterator(iter([]), _Runtime(planner), plan_ahead=True)
+    with pytest.raises(StopIteration):
+        empty.start_step()
+    empty.close()

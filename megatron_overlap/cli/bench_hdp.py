@@ -109,6 +109,8 @@ def score(plans, cost, errors: Sequence[str] = (), bounds: Sequence[float] = (),
         "square_vs_bound": mean(sq_bound),
         "cp_comm_bytes": mean(comm),
         "microbatches_per_rank": {"min": min(mbs), "max": max(mbs)} if n else None,
+        "per_step": {"step_ms": step, "bound_ms": list(bounds), "square_ms": sq_step,
+                     "square_bound_ms": list(square_bounds)},
         "steps": n,
         "notes": notes,
     }
@@ -140,13 +142,14 @@ def loading_ranks(count: int, ranks: int) -> List[int]:
 
 
 def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost: HdpCostModel,
-        mode: str = "dp", progress: bool = True, overhead_ms: float = 0.0, guard: bool = True) -> Dict:
+        mode: str = "dp", progress: bool = True, overhead_ms: float = 0.0, guard: bool = True, bar=None) -> Dict:
     """Schedule every batch with each scheduler (planned with ``cost``), validate every plan,
     score them with ``cost`` plus ``overhead_ms`` per micro-batch and with megatron-core's own
     model (``SquareWorkload``). A batch megatron-core's scheduler fails on is counted in its
     ``failed_steps`` (baselines.py). ``guard``: the ``hdp`` row is our plan or megatron-core's,
     whichever ``hdp.guard`` keeps under the scoring models (its planning time includes
-    megatron-core's)."""
+    megatron-core's). ``bar``: a progress bar to advance instead of one of its own."""
+    import contextlib
     import dataclasses
 
     from ..hdp.guard import guarded
@@ -166,8 +169,15 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
     errors = {name: [] for name in SCHEDULER_NAMES}
     seconds = {name: 0.0 for name in SCHEDULER_NAMES}
     kept = {name: [] for name in SCHEDULER_NAMES}  # the steps each scheduler planned
-    with tqdm(total=len(batches) * len(SCHEDULER_NAMES), desc="bench hdp: scheduling", unit="plan",
-              disable=not progress, delay=1.0, file=sys.stderr) as bar:
+    try:  # megatron-core's first call imports it: not planning time
+        schedule("megatron_balanced", [1], 1, max(1, capacity_tokens))
+    except MegatronSchedulerError:
+        pass
+    own = bar is None
+    bar = bar or tqdm(total=len(batches) * len(SCHEDULER_NAMES), desc="bench hdp: scheduling", unit="plan",
+                      disable=not progress, delay=1.0, file=sys.stderr)
+    per_step = {name: [] for name in SCHEDULER_NAMES}
+    with (bar if own else contextlib.nullcontext()):
         for k, lens in enumerate(batches):
             peer = None
             for name in SCHEDULER_NAMES:
@@ -183,6 +193,7 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
                 if name == "hdp" and guard:  # what the runtime runs: ours, or megatron-core's where ours is slower
                     plan = guarded(plan, peer, scoring)
                     seconds[name] += peer_s  # the runtime plans megatron-core's too
+                per_step[name].append(time.perf_counter() - t0 + (peer_s if name == "hdp" and guard else 0.0))
                 seconds[name] += time.perf_counter() - t0
                 if plan is not None:
                     plan.validate()
@@ -195,6 +206,8 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
         out[name] = score(plans[name], scoring, errors[name], [bounds[k] for k in ks], [homes[k] for k in ks],
                           square, [square_bounds[k] for k in ks])
         out[name]["schedule_ms"] = 1e3 * seconds[name] / len(batches)
+        out[name]["schedule_ms_max"] = 1e3 * max(per_step[name])
+        out[name]["per_step"]["batch"] = ks
     return out
 
 
@@ -262,12 +275,22 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--no-guard", action="store_true",
                         help="score our plans as they are (default: hdp.guard keeps megatron-core's where ours would be "
                              "more than 1%% slower under either model)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="every R of --sweep-ranks x every T = m x R x C of --sweep-multiples, documents cut at "
+                             "--max-len (default R x C / 8): time-weighted scores against the bound and megatron-core's "
+                             "(cli/bench_hdp_sweep.py)")
+    parser.add_argument("--sweep-ranks", default="64,256", metavar="R,R")
+    parser.add_argument("--sweep-multiples", default="1,2,4,8", metavar="M,M")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
 
 def hdp_main(args) -> int:
+    if args.sweep:
+        from .bench_hdp_sweep import sweep_main
+
+        return sweep_main(args)
     R, C = args.ranks, args.max_tokens_per_rank
     try:
         if C <= 0:
