@@ -205,7 +205,7 @@ def test_planning_ahead_gives_the_inline_plans_and_survives_the_data_ending():
     planned = _run(ahead)
     assert len(inline) == len(planned) == 5 and len(runtime.loaded) == 5
     assert [repr(p.microbatches) for p in planned] == [repr(p.microbatches) for p in inline]
-    assert ahead._helper._pool is None  # stopped when the data ended
+    assert ahead._helper._proc is None  # stopped when the data ended
     with pytest.raises(StopIteration):
         ahead.start_step()
     empty = HdpDataIterator(iter([]), _Runtime(planner), plan_ahead=True)

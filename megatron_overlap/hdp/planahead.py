@@ -13,9 +13,9 @@ lengths. So :class:`HdpDataIterator` with ``plan_ahead=True``, at each ``start_s
        (lengths, home) to a helper process that plans them while this step trains
     3. returns this step's micro-batch count
 
-The helper is one ``spawn`` process per rank (``fork`` is unsafe once CUDA or NCCL threads
-exist), started at the first plan-ahead, at ``nice`` +10 so a training rank's threads win its
-core when both want it; the planner is pure Python and would hold the GIL in a thread. A data
+The helper is one process per rank (a fresh interpreter, not a fork: forking is unsafe once CUDA
+or NCCL threads exist), started with the iterator, at ``nice`` +10 so a training rank's threads
+win its core when both want it; the planner is pure Python and would hold the GIL in a thread. A data
 iterator that ends while the next step is read ends the iteration after this step: the next
 ``start_step()`` raises ``StopIteration``, as the plain iterator does. The plan is the same as
 inline planning (``Planner`` is the runtime's own, pickled), which the tests check.
@@ -24,8 +24,10 @@ inline planning (``Planner`` is the runtime's own, pickled), which the tests che
 from __future__ import annotations
 
 import os
+import pickle
+import subprocess
+import sys
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
@@ -67,36 +69,75 @@ class Planner:
         return guarded(plan, other, self.cost or HdpCostModel())
 
 
-def _helper_start() -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+class Helper:
+    """One planning process (module docstring): ``python -m megatron_overlap.hdp.planahead``, fed
+    pickled (function, arguments) on its stdin, one at a time, answering on its stdout. A plain
+    subprocess, not ``multiprocessing``: a rank that is itself a daemon process (a test's or the
+    demo's rank pool) may not start ``multiprocessing`` children."""
+
+    def __init__(self):
+        self._proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> None:
+        """Start the process now (it imports the planner while the first step runs)."""
+        if self._proc is None:
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+            self._proc = subprocess.Popen([sys.executable, "-m", "megatron_overlap.hdp.planahead"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+
+    def submit(self, fn: Callable, *args) -> "Pending":
+        self.start()
+        pickle.dump((fn, args), self._proc.stdin)
+        self._proc.stdin.flush()
+        return Pending(self._proc)
+
+    def close(self) -> None:
+        if self._proc is not None:
+            proc, self._proc = self._proc, None
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class Pending:
+    """An answer the helper owes: ``result()`` waits for it (re-raising the helper's error)."""
+
+    def __init__(self, proc):
+        self._proc = proc
+
+    def result(self):
+        try:
+            ok, value = pickle.load(self._proc.stdout)
+        except EOFError:
+            raise RuntimeError(f"the HDP planning helper exited (code {self._proc.poll()}) without a plan") from None
+        if not ok:
+            raise value
+        return value
+
+
+def _serve() -> None:
+    """The helper's loop: the protocol keeps the real stdout; prints go to stderr."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
     try:
         os.nice(HELPER_NICE)
     except OSError:  # not allowed here: the helper runs at the rank's priority
         pass
-
-
-class Helper:
-    """One planning process (module docstring), started on the first ``submit``."""
-
-    def __init__(self):
-        self._pool: Optional[ProcessPoolExecutor] = None
-
-    def start(self) -> None:
-        """Start the process now (it imports the planner while the first step runs)."""
-        self.submit(_noop)
-
-    def submit(self, fn: Callable, *args) -> Future:
-        if self._pool is None:
-            import multiprocessing
-
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_helper_start)
-        return self._pool.submit(fn, *args)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+    source = sys.stdin.buffer
+    while True:
+        try:
+            fn, args = pickle.load(source)
+        except EOFError:
+            return
+        try:
+            answer = (True, fn(*args))
+        except Exception as exc:  # handed back to the rank, which raises it
+            answer = (False, exc)
+        pickle.dump(answer, out)
+        out.flush()
 
 
 class HdpDataIterator:
@@ -116,8 +157,9 @@ class HdpDataIterator:
         self._next = None  # (samples, gathered, future) of the step planned ahead
         self._ended = False
         self._helper = Helper() if plan_ahead else None
+        self._warm = None
         if self._helper is not None:
-            self._helper.start()
+            self._warm = self._helper.submit(_noop)
         self.plan_wait_s = 0.0
         self.plan_s = 0.0
 
@@ -146,7 +188,7 @@ class HdpDataIterator:
         samples, gathered, future = self._next
         self._next = None
         t0 = time.perf_counter()
-        plan, plan_s = future.result() if isinstance(future, Future) else future
+        plan, plan_s = future.result() if isinstance(future, Pending) else future
         self.plan_wait_s += time.perf_counter() - t0
         self.plan_s += plan_s
         step = self.runtime.load(samples, gathered, plan)
@@ -163,6 +205,9 @@ class HdpDataIterator:
         args = (self.runtime.planner, gathered.seq_lens, gathered.home)
         if inline:  # nothing trains yet to hide it behind
             return samples, gathered, _timed(*args)
+        if self._warm is not None:  # the helper answers in order: collect its warm-up first
+            self._warm, warm = None, self._warm
+            warm.result()
         return samples, gathered, self._helper.submit(_timed, *args)
 
     def close(self) -> None:
@@ -188,3 +233,7 @@ def _timed(planner: Planner, seq_lens, home):
     t0 = time.perf_counter()
     plan = planner(seq_lens, home)
     return plan, time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    _serve()
