@@ -212,3 +212,22 @@ def test_planning_ahead_gives_the_inline_plans_and_survives_the_data_ending():
     with pytest.raises(StopIteration):
         empty.start_step()
     empty.close()
+
+
+def test_bench_sweep_over_ranks_and_tokens_per_step():
+    """``bench hdp --sweep``: one row per (R, T = m x R x C) and scheduler, time-weighted against
+    the bound (>= 1) and megatron-core's (1 for itself), the worst batch against it (ours never
+    more than 1% slower: the guard), under both models, with the planner's time per step."""
+    rc, out, err = _cli("--sweep", "--sweep-ranks", "8,16", "--sweep-multiples", "1,4", "--max-tokens-per-rank",
+                        "2048", "--steps", "2", "--json", "--no-progress")
+    assert rc == 0, err
+    rows = json.loads(out.strip().splitlines()[-1])["sweep"]
+    assert [(r["ranks"], r["multiple"]) for r in rows] == [(8, 1), (8, 4), (16, 1), (16, 4)]
+    for r in rows:
+        meg, ours = r["summary"]["megatron_balanced"], r["summary"]["hdp"]
+        assert meg["ours_x_megatron"] == meg["l2_x_megatron"] == meg["ours_worst"] == 1.0
+        for model in ("ours", "l2"):
+            assert ours[f"{model}_tw_bound"] >= 1 - 1e-9 and ours[f"{model}_worst"] <= 1.01
+            assert ours[f"{model}_x_megatron"] <= meg[f"{model}_tw_bound"] + 1e-9  # no plan beats the bound
+        assert ours["plan_s_max"] >= ours["plan_s_mean"] > 0
+    assert "tw/bound" in out and "heavy-tailed" in out.splitlines()[0]
