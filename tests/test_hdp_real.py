@@ -231,3 +231,26 @@ def test_bench_sweep_over_ranks_and_tokens_per_step():
             assert ours[f"{model}_x_megatron"] <= meg[f"{model}_tw_bound"] + 1e-9  # no plan beats the bound
         assert ours["plan_s_max"] >= ours["plan_s_mean"] > 0
     assert "tw/bound" in out and "heavy-tailed" in out.splitlines()[0]
+
+
+def test_a_bad_batch_fails_at_its_own_step_whether_planned_ahead_or_inline():
+    """A batch the planner refuses (a sequence longer than R x C) raises at the start_step of
+    that step in both modes, with the planner's own error (handed back from the helper)."""
+    import torch
+
+    from megatron_overlap.errors import OverlapConfigError
+    from megatron_overlap.hdp.planahead import HdpDataIterator, Planner
+
+    def data():
+        good = [(torch.zeros(L, dtype=torch.long),) * 2 for L in (100, 900, 30)]
+        yield good
+        yield good + [(torch.zeros(5000, dtype=torch.long),) * 2]  # R x C = 4096
+        yield good
+
+    for ahead in (False, True):
+        it = HdpDataIterator(data(), _Runtime(Planner("hdp", 4, 1024)), plan_ahead=ahead)
+        it.start_step()
+        it._queue.clear()
+        with pytest.raises(OverlapConfigError, match="sequence 3 has 5000 tokens, more than the 4 ranks hold"):
+            it.start_step()
+        it.close()
