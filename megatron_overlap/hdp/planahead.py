@@ -146,7 +146,8 @@ class HdpDataIterator:
     micro-batches for the schedule; then ``next()`` yields them as Megatron batch dicts, each with
     ``hdp`` (the ``MicroBatch``) for ``forward_step``. ``plan_ahead``: the following step is
     planned in a helper process while this one trains (module docstring); ``plan_wait_s`` sums
-    the time ``start_step()`` waited for a plan, ``plan_s`` the planner's own time."""
+    the time ``start_step()`` waited for a plan, ``plan_s`` the planner's own time,
+    ``ahead_steps`` counts the steps planned ahead."""
 
     def __init__(self, data_iterator: Iterable, runtime, plan_ahead: bool = False):
         self._source: Iterator = iter(data_iterator)
@@ -162,6 +163,7 @@ class HdpDataIterator:
             self._warm = self._helper.submit(_noop)
         self.plan_wait_s = 0.0
         self.plan_s = 0.0
+        self.ahead_steps = 0  # steps whose plan the helper made
 
     def start_step(self) -> int:
         if self._queue:
@@ -189,6 +191,7 @@ class HdpDataIterator:
         self._next = None
         t0 = time.perf_counter()
         plan, plan_s = future.result() if isinstance(future, Pending) else future
+        self.ahead_steps += isinstance(future, Pending)
         self.plan_wait_s += time.perf_counter() - t0
         self.plan_s += plan_s
         step = self.runtime.load(samples, gathered, plan)
