@@ -160,17 +160,9 @@ class _Ring:
     end: float
 
 
-def _choose_ring(seq_len: int, n: int, clock: List[float], cost: HdpCostModel) -> Tuple[Tuple[int, ...], float, float]:
-    """(ring, start, end) of the earliest-ending candidate rank set (module docstring, step 1)."""
-    from .sizes import RingSizes
-
-    ring, start, end, _ = RingSizes(seq_len, clock, cost).best(n)
-    return ring, start, end
-
-
 def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequence[int], R: int, C: int,
                  cost: HdpCostModel, spread: bool, cache: Optional[dict] = None):
-    """Step 1: rings, costliest first, each sized by ``_spread_choice`` and placed where it ends
+    """Step 1: rings, costliest first, each sized by ``sizes.spread_choice`` and placed where it ends
     earliest. ``ring_ids``: the sequences longer than C, and with ``spread`` the short ones whose
     work alone exceeds a balanced rank's (one that stays on one rank goes back to the short
     sequences). Returns (rings, clock, gaps, ids back to short) with gaps[(rank, ring index)] =

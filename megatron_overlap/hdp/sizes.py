@@ -68,7 +68,7 @@ class RingSizes:
         return dict(zip(ns.tolist(), est.tolist()))
 
     def best(self, n: int):
-        """(ring, start, end, the peers' waits) of size n, as ``_choose_ring`` always chose:
+        """(ring, start, end, the peers' waits) of size n (``scheduler`` module docstring, step 1):
         the earliest end, an intra-node ring unless it ends more than NODE_SLACK x its time
         later; ties: the smaller waits, then the lower rank ids."""
         clock, gpn, R = self.clock, self.cost.gpus_per_node, len(self.clock)
