@@ -229,7 +229,7 @@ def test_bench_sweep_over_ranks_and_tokens_per_step():
         for model in ("ours", "l2"):
             assert ours[f"{model}_tw_bound"] >= 1 - 1e-9 and ours[f"{model}_worst"] <= 1.01
             assert ours[f"{model}_x_megatron"] <= meg[f"{model}_tw_bound"] + 1e-9  # no plan beats the bound
-        assert ours["plan_s_max"] >= ours["plan_s_mean"] > 0
+        assert ours["plan_s_max"] >= ours["plan_s_mean"] > 0 and 0 <= ours["guard_kept_megatron"] <= r["batches"]
     assert "tw/bound" in out and "heavy-tailed" in out.splitlines()[0]
 
 

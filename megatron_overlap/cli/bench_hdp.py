@@ -208,6 +208,7 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
         out[name]["schedule_ms"] = 1e3 * seconds[name] / len(batches)
         out[name]["schedule_ms_max"] = 1e3 * max(per_step[name])
         out[name]["per_step"]["batch"] = ks
+        out[name]["guard_kept_megatron"] = sum(any(n.startswith("guard:") for n in p.notes) for p in plans[name])
     return out
 
 

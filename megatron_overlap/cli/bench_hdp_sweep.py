@@ -3,9 +3,10 @@ user trains with, in one command. Simulated, as ``bench hdp``.
 
 For every R in ``--sweep-ranks`` (default 64, 256) and every tokens per step T = m x R x C, m in
 ``--sweep-multiples`` (default 1, 2, 4, 8), full batches from the source (``--corpus``, a
-``--lengths-file`` cut at T in file order, or a built-in distribution; documents cut at
-``--max-len``, by default R x C / 8: 256K tokens at R = 64, C = 32768), the first ``--steps`` of
-them, are planned by every scheduler and scored as ``bench hdp`` scores them. Per scheduler::
+``--lengths-file`` cut at T in file order, or a built-in distribution; the corpus's and the
+distribution's documents cut at ``--max-len``, by default R x C / 8: 256K tokens at R = 64,
+C = 32768; a lengths file's taken as they are), the first ``--steps`` of them, are planned by
+every scheduler and scored as ``bench hdp`` scores them. Per scheduler::
 
     tw / bound       time-weighted: (sum of its steps) / (sum of the lower bounds), under our cost
                      model (plus the per-micro-batch overhead) and under megatron-core's L^2 / cp
@@ -14,6 +15,7 @@ them, are planned by every scheduler and scored as ``bench hdp`` scores them. Pe
     worst            the worst batch against megatron-core's: max over batches of step / its step
     plan s           the planner's wall time per step, mean and max (hdp: ours, the guard, and
                      megatron-core's own scheduler, which the guard runs)
+    guard            (hdp) the batches on which the guard kept megatron-core's plan
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def summarise(schedulers: Dict) -> Dict:
         if not p["step_ms"]:
             out[name] = None
             continue
-        row = {"plan_s_mean": s["schedule_ms"] / 1e3, "plan_s_max": s["schedule_ms_max"] / 1e3}
+        row = {"plan_s_mean": s["schedule_ms"] / 1e3, "plan_s_max": s["schedule_ms_max"] / 1e3,
+               "guard_kept_megatron": s["guard_kept_megatron"]}
         for model, step, bound, k_ref in (("ours", "step_ms", "bound_ms", 0), ("l2", "square_ms", "square_bound_ms", 1)):
             row[f"{model}_tw_bound"] = sum(p[step]) / sum(p[bound])
             row[f"{model}_mean_bound"] = sum(a / b for a, b in zip(p[step], p[bound])) / len(p[step])
@@ -52,7 +55,7 @@ def summarise(schedulers: Dict) -> Dict:
 
 def format_sweep(rows: List[Dict], source: str) -> str:
     head = (f"{'R':>4}{'T / RC':>7}{'batches':>8}  {'scheduler':<18}{'tw/bound':>9}{'mean/bnd':>9}{'x megatr':>9}"
-            f"{'worst':>7}  |{'L2 tw/b':>8}{'L2 x meg':>9}{'L2 worst':>9}  |{'plan s':>7}{'max s':>7}")
+            f"{'worst':>7}  |{'L2 tw/b':>8}{'L2 x meg':>9}{'L2 worst':>9}  |{'plan s':>7}{'max s':>7}{'guard':>6}")
     lines = [f"HDP sweep (simulated): {source}", "our cost model + overhead per micro-batch  |  megatron-core's "
              "L^2/cp model  |  planner wall time per step", head]
     for r in rows:
@@ -64,9 +67,11 @@ def format_sweep(rows: List[Dict], source: str) -> str:
             lines.append(f"{r['ranks']:>4}{r['multiple']:>7}{r['batches']:>8}  {name:<18}{x['ours_tw_bound']:>8.3f}x"
                          f"{x['ours_mean_bound']:>8.3f}x{x['ours_x_megatron']:>8.3f}x{x['ours_worst']:>7.3f}  |"
                          f"{x['l2_tw_bound']:>7.3f}x{x['l2_x_megatron']:>8.3f}x{x['l2_worst']:>9.3f}  |"
-                         f"{x['plan_s_mean']:>7.2f}{x['plan_s_max']:>7.2f}")
+                         f"{x['plan_s_mean']:>7.2f}{x['plan_s_max']:>7.2f}"
+                         f"{x['guard_kept_megatron'] if name == 'hdp' else '':>6}")
     lines.append("tw/bound: summed steps / summed lower bounds; x megatr: megatron-core's summed steps / this one's; "
-                 "worst: the worst batch's step / megatron-core's on it")
+                 "worst: the worst batch's step / megatron-core's on it; guard: batches on which the guard kept "
+                 "megatron-core's plan")
     return "\n".join(lines)
 
 
