@@ -330,6 +330,8 @@ def test_demo_hdp_cli():
         assert sorted(d["microbatches"]) == sorted(plan.microbatches_per_rank()), name
     assert hdp["moved_tokens"] == schedule_hdp(lens, 4, C, home=home).moved_tokens(home) < 461  # was 461 of 670
     assert "[1/4]" not in out.stdout and "max/mean" in out.stdout and "static CP 4" in out.stdout
+    inline, ahead = r["planning"]["inline"], r["planning"]["ahead"]  # steps planned inline, then one step ahead
+    assert inline["step_ms"] > 0 and ahead["step_ms"] > 0 and 0 <= ahead["plan_wait_ms"] < ahead["plan_ms"]
 
 
 def test_demo_hdp_with_tensor_parallelism():

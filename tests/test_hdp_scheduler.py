@@ -468,7 +468,7 @@ def test_bench_lengths_file_and_bad_capacity(tmp_path):
     f = tmp_path / "lens.txt"
     f.write_text("\n".join(str(x) for x in [9000, 3000, 100, 200, 5000, 700] * 4))
     rc, out, _ = _cli("--lengths-file", str(f), "--ranks", "4", "--max-tokens-per-rank", "4096", "--json",
-                      "--no-progress")
+                      "--batch-tokens", "72000", "--no-progress")  # all 24 (a file without blank lines needs it)
     assert rc == 0
     last = json.loads(out.strip().splitlines()[-1])
     assert last["config"]["steps"] == 1 and last["config"]["sequences"] == 24

@@ -192,6 +192,7 @@ def test_hdp_trains_packed_documents_like_data_parallelism():
     ours = train("plugin", 2, _packed("--hdp", "--hdp-max-tokens-per-rank", "64", *CPU_INIT))
     calls = ours["calls"]
     assert calls.get("hdp.step") == 2 * 5 and calls.get("hdp.ring", 0) > 0, calls  # long documents on rings
+    assert calls.get("hdp.planned_ahead") == 2 * 4, calls  # every step after the first planned while one trained
     assert calls.get("hdp.attention", 0) > 0 and calls.get("hdp.microbatch", 0) > 2 * 5 * 2, calls
     for a, b in zip(ours["losses"], stock["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b), (ours["losses"], stock["losses"])

@@ -4,11 +4,15 @@ cost model and step simulator, and a second time by megatron-core's own model. S
     static              fixed CP size from the longest sequence, greedy token packing (baselines.py)
     megatron_balanced   megatron-core's BalancedCPScheduler, unmodified (baselines.py)
     hdp_fewest          ours, every sequence on the fewest ranks that hold it (``spread=False``)
-    hdp                 ours (scheduler.py): rings spread for balance where the step gets shorter
+    hdp                 ours (scheduler.py): rings spread for balance where the step gets shorter,
+                        guarded (hdp/guard.py): megatron-core's plan, run as one phase, where ours
+                        would be more than 1% slower than it under either model (``--no-guard``: ours)
 
-Batches: ``--lengths-file F`` (one token count per line; a blank line ends a full batch, so a
-file without blank lines is one batch; ``#`` starts a comment), ``--corpus packages`` (real
-lengths from this machine: ``corpus.py``), or a built-in distribution,
+Batches: ``--lengths-file F`` (one token count per line, ``#`` starts a comment; with
+``--batch-tokens T`` its sequences are cut, in file order, into full batches of at least T tokens,
+without it a blank line ends a full batch, and a file without blank lines is refused: a list of
+document lengths is not one step), ``--corpus packages`` (real lengths from this machine:
+``corpus.py``, read again reshuffled until it gives ``--steps`` batches), or a built-in distribution,
 drawn with a fixed seed (``--seed``), ``--steps`` batches of ``--batch-tokens`` tokens each
 (default 8 x R x C: 8 micro-batches of C tokens per rank on average; the last sequence drawn
 may overshoot the budget):
@@ -46,8 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import re
 import sys
 import time
@@ -58,64 +60,9 @@ from ..tune.models import MODELS
 from ..errors import OverlapConfigError
 from ..hdp.cost import HdpCostModel
 from ..hdp.scheduler import CAPACITY_FIELD, MODES
+from .hdp_batches import DISTRIBUTIONS, draw_batches, load_batches, max_len_for, read_lengths_file  # noqa: F401
 
-DISTRIBUTIONS = ("heavy-tailed", "uniform")
 SCHEDULER_NAMES = ("static", "megatron_balanced", "hdp_fewest", "hdp")
-MIN_LEN = 64
-HEAVY_MEDIAN = 2048
-HEAVY_SIGMA = 1.8
-
-
-def max_len_for(ranks: int, capacity_tokens: int, max_len: int) -> int:
-    """``max_len`` lowered to the longest sequence R ranks hold: C on one rank, R x 2 floor(C/2)
-    on a ring of all R (a zigzag shard needs an even C)."""
-    return max(1, min(max_len, max(capacity_tokens, ranks * 2 * (capacity_tokens // 2))))
-
-
-def draw_batches(distribution: str, steps: int, batch_tokens: int, max_len: int, seed: int = 0) -> List[List[int]]:
-    """``steps`` batches of at least ``batch_tokens`` tokens from a built-in distribution (module
-    docstring); the same arguments give the same batches on every machine (``random.Random``)."""
-    if distribution not in DISTRIBUTIONS:
-        raise ValueError(f"unknown distribution {distribution!r}: choose one of {', '.join(DISTRIBUTIONS)}")
-    if steps < 1 or batch_tokens < 1:
-        raise ValueError(f"steps and batch tokens must be >= 1, got {steps} and {batch_tokens}")
-    rng = random.Random(f"hdp-{distribution}-{seed}")  # a str seed goes through sha512: no hash()
-    hi = max(1, max_len)
-    lo = min(MIN_LEN, hi)
-    batches = []
-    for _ in range(steps):
-        batch, total = [], 0
-        while total < batch_tokens:
-            if distribution == "heavy-tailed":
-                length = int(round(rng.lognormvariate(math.log(HEAVY_MEDIAN), HEAVY_SIGMA)))
-            else:
-                length = rng.randint(lo, hi)
-            length = min(hi, max(lo, length))
-            batch.append(length)
-            total += length
-        batches.append(batch)
-    return batches
-
-
-def read_lengths_file(path: str) -> List[List[int]]:
-    """Batches from a file: one token count per line, a blank line between batches, ``#`` comments."""
-    batches: List[List[int]] = [[]]
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            text = line.split("#", 1)[0].strip()
-            if not text:
-                if not line.lstrip().startswith("#") and batches[-1]:
-                    batches.append([])
-                continue
-            try:
-                length = int(text)
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: {text!r} is not a token count (one integer per line)") from None
-            batches[-1].append(length)
-    batches = [b for b in batches if b]
-    if not batches:
-        raise ValueError(f"{path}: no sequence lengths (expected one token count per line)")
-    return batches
 
 
 def _shape(note: str) -> str:
@@ -162,6 +109,8 @@ def score(plans, cost, errors: Sequence[str] = (), bounds: Sequence[float] = (),
         "square_vs_bound": mean(sq_bound),
         "cp_comm_bytes": mean(comm),
         "microbatches_per_rank": {"min": min(mbs), "max": max(mbs)} if n else None,
+        "per_step": {"step_ms": step, "bound_ms": list(bounds), "square_ms": sq_step,
+                     "square_bound_ms": list(square_bounds)},
         "steps": n,
         "notes": notes,
     }
@@ -193,12 +142,17 @@ def loading_ranks(count: int, ranks: int) -> List[int]:
 
 
 def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost: HdpCostModel,
-        mode: str = "dp", progress: bool = True, overhead_ms: float = 0.0) -> Dict:
+        mode: str = "dp", progress: bool = True, overhead_ms: float = 0.0, guard: bool = True, bar=None) -> Dict:
     """Schedule every batch with each scheduler (planned with ``cost``), validate every plan,
     score them with ``cost`` plus ``overhead_ms`` per micro-batch and with megatron-core's own
     model (``SquareWorkload``). A batch megatron-core's scheduler fails on is counted in its
-    ``failed_steps`` (baselines.py)."""
+    ``failed_steps`` (baselines.py). ``guard``: the ``hdp`` row is our plan or megatron-core's,
+    whichever ``hdp.guard`` keeps under the scoring models (its planning time includes
+    megatron-core's). ``bar``: a progress bar to advance instead of one of its own."""
+    import contextlib
     import dataclasses
+
+    from ..hdp.guard import guarded
 
     from tqdm import tqdm
 
@@ -215,9 +169,17 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
     errors = {name: [] for name in SCHEDULER_NAMES}
     seconds = {name: 0.0 for name in SCHEDULER_NAMES}
     kept = {name: [] for name in SCHEDULER_NAMES}  # the steps each scheduler planned
-    with tqdm(total=len(batches) * len(SCHEDULER_NAMES), desc="bench hdp: scheduling", unit="plan",
-              disable=not progress, delay=1.0, file=sys.stderr) as bar:
+    try:  # megatron-core's first call imports it: not planning time
+        schedule("megatron_balanced", [1], 1, max(1, capacity_tokens))
+    except MegatronSchedulerError:
+        pass
+    own = bar is None
+    bar = bar or tqdm(total=len(batches) * len(SCHEDULER_NAMES), desc="bench hdp: scheduling", unit="plan",
+                      disable=not progress, delay=1.0, file=sys.stderr)
+    per_step = {name: [] for name in SCHEDULER_NAMES}
+    with (bar if own else contextlib.nullcontext()):
         for k, lens in enumerate(batches):
+            peer = None
             for name in SCHEDULER_NAMES:
                 extra = {"mode": mode, "home": homes[k]} if name.startswith("hdp") else {}
                 t0 = time.perf_counter()
@@ -226,6 +188,12 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
                 except MegatronSchedulerError as exc:
                     errors[name].append(str(exc))
                     plan = None
+                if name == "megatron_balanced":
+                    peer, peer_s = plan, time.perf_counter() - t0
+                if name == "hdp" and guard:  # what the runtime runs: ours, or megatron-core's where ours is slower
+                    plan = guarded(plan, peer, scoring)
+                    seconds[name] += peer_s  # the runtime plans megatron-core's too
+                per_step[name].append(time.perf_counter() - t0 + (peer_s if name == "hdp" and guard else 0.0))
                 seconds[name] += time.perf_counter() - t0
                 if plan is not None:
                     plan.validate()
@@ -238,6 +206,9 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
         out[name] = score(plans[name], scoring, errors[name], [bounds[k] for k in ks], [homes[k] for k in ks],
                           square, [square_bounds[k] for k in ks])
         out[name]["schedule_ms"] = 1e3 * seconds[name] / len(batches)
+        out[name]["schedule_ms_max"] = 1e3 * max(per_step[name])
+        out[name]["per_step"]["batch"] = ks
+        out[name]["guard_kept_megatron"] = sum(any(n.startswith("guard:") for n in p.notes) for p in plans[name])
     return out
 
 
@@ -290,8 +261,9 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens-per-rank", type=int, default=32768, metavar="C",
                         help="C: rows one rank holds in a micro-batch (--hdp-max-tokens-per-rank)")
     parser.add_argument("--steps", type=int, default=4, help="full batches drawn from the distribution")
-    parser.add_argument("--batch-tokens", type=int, default=0,
-                        help="tokens per drawn full batch (default 8 x R x C)")
+    parser.add_argument("--batch-tokens", type=int, default=0, metavar="T",
+                        help="tokens per full batch: drawn, dealt from --corpus, or cut from --lengths-file in file "
+                             "order (default 8 x R x C; a lengths file without blank lines needs it)")
     parser.add_argument("--max-len", type=int, default=None,
                         help="longest sequence: drawn (default 262144), or where --corpus cuts its documents "
                              "(default: what the R ranks hold)")
@@ -301,12 +273,25 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "micro-batch index")
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default="h100-sxm")
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
+    parser.add_argument("--no-guard", action="store_true",
+                        help="score our plans as they are (default: hdp.guard keeps megatron-core's where ours would be "
+                             "more than 1%% slower under either model)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="every R of --sweep-ranks x every T = m x R x C of --sweep-multiples, documents cut at "
+                             "--max-len (default R x C / 8): time-weighted scores against the bound and megatron-core's "
+                             "(cli/bench_hdp_sweep.py)")
+    parser.add_argument("--sweep-ranks", default="64,256", metavar="R,R")
+    parser.add_argument("--sweep-multiples", default="1,2,4,8", metavar="M,M")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
 
 def hdp_main(args) -> int:
+    if args.sweep:
+        from .bench_hdp_sweep import sweep_main
+
+        return sweep_main(args)
     R, C = args.ranks, args.max_tokens_per_rank
     try:
         if C <= 0:
@@ -316,27 +301,13 @@ def hdp_main(args) -> int:
             raise ValueError(f"--ranks must be >= 1, got {R}")
         if args.microbatch_overhead_ms < 0:
             raise ValueError(f"--microbatch-overhead-ms must be >= 0, got {args.microbatch_overhead_ms}")
-        if args.lengths_file and args.corpus:
-            raise ValueError("pass --lengths-file or --corpus, not both")
-        if args.lengths_file:
-            batches = read_lengths_file(args.lengths_file)
-            source = args.lengths_file
-        elif args.corpus:
-            from .corpus import corpus_batches, describe, package_documents
-
-            batches = corpus_batches(package_documents(), args.batch_tokens or 8 * R * C,
-                                     max_len_for(R, C, args.max_len or R * C), args.seed)
-            source = f"corpus {args.corpus} ({describe(batches)})"
-        else:
-            max_len = max_len_for(R, C, args.max_len or 262144)
-            batches = draw_batches(args.distribution, args.steps, args.batch_tokens or 8 * R * C, max_len, args.seed)
-            source = f"{args.distribution} (seed {args.seed}, max {max_len})"
+        batches, source = load_batches(args)
         cost = HdpCostModel.named(args.hardware, args.model)
         if args.write_lengths:
             with open(args.write_lengths, "w") as f:
                 f.write(f"# {source}\n" + "\n\n".join("\n".join(map(str, b)) for b in batches) + "\n")
         schedulers = run(batches, R, C, cost, mode=args.mode, progress=not args.no_progress,
-                         overhead_ms=args.microbatch_overhead_ms)
+                         overhead_ms=args.microbatch_overhead_ms, guard=not args.no_guard)
     except (ValueError, OSError) as exc:
         print(f"bench hdp: {exc}", file=sys.stderr)
         return 2

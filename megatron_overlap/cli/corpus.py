@@ -9,7 +9,9 @@ repository-level long-context data is built (every file of a repository in one s
     sequences   a document longer than the longest sequence the ranks hold is cut into pieces of
                 that length, as pre-training pipelines cut at the context length
     batches     the sequences shuffled with a fixed seed and dealt into full batches of at least
-                ``batch_tokens`` tokens (a last, smaller remainder is dropped)
+                ``batch_tokens`` tokens (a last, smaller remainder is dropped); when a run asks for
+                more batches than one pass gives (``bench hdp --steps``), the corpus is read again,
+                reshuffled, as training runs epochs
 
 The corpus is whatever this machine has installed, so its lengths differ between machines:
 ``bench hdp --write-lengths F`` saves them for ``--lengths-file``.
@@ -67,15 +69,12 @@ def package_documents(roots: Sequence[str] = ()) -> List[Tuple[str, int]]:
     return sorted(docs.items())
 
 
-def corpus_batches(docs: Sequence[Tuple[str, int]], batch_tokens: int, max_len: int, seed: int = 0
-                   ) -> List[List[int]]:
-    """Full batches of sequence lengths from ``docs`` (module docstring)."""
-    if batch_tokens < 1 or max_len < 1:
-        raise ValueError(f"batch tokens and the longest sequence must be >= 1, got {batch_tokens} and {max_len}")
-    lengths = []
-    for _, tokens in docs:
-        lengths += [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
-    random.Random(f"hdp-corpus-{seed}").shuffle(lengths)
+def cut_batches(lengths: Sequence[int], batch_tokens: int) -> Tuple[List[List[int]], int]:
+    """``lengths`` in their order dealt into full batches of at least ``batch_tokens`` tokens (a
+    batch closes with the sequence that reaches the budget, as a data loader fills a step);
+    returns (the batches, the tokens of the smaller remainder dropped at the end)."""
+    if batch_tokens < 1:
+        raise ValueError(f"batch tokens must be >= 1, got {batch_tokens}")
     batches, batch, total = [], [], 0
     for length in lengths:
         batch.append(length)
@@ -83,6 +82,29 @@ def corpus_batches(docs: Sequence[Tuple[str, int]], batch_tokens: int, max_len: 
         if total >= batch_tokens:
             batches.append(batch)
             batch, total = [], 0
+    return batches, total
+
+
+def corpus_batches(docs: Sequence[Tuple[str, int]], batch_tokens: int, max_len: int, seed: int = 0,
+                   min_batches: int = 1) -> List[List[int]]:
+    """Full batches of sequence lengths from ``docs`` (module docstring). ``min_batches``: the
+    corpus is read again, reshuffled (pass p with seed (seed, p)), until it gives that many
+    batches, as training runs epochs; the remainder of the last pass is dropped."""
+    if batch_tokens < 1 or max_len < 1:
+        raise ValueError(f"batch tokens and the longest sequence must be >= 1, got {batch_tokens} and {max_len}")
+    pieces = []
+    for _, tokens in docs:
+        pieces += [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
+    lengths: List[int] = []
+    passes = 0
+    while True:
+        shuffled = list(pieces)
+        random.Random(f"hdp-corpus-{seed}" + (f"-pass{passes}" if passes else "")).shuffle(shuffled)
+        lengths += shuffled
+        passes += 1
+        batches, _ = cut_batches(lengths, batch_tokens)
+        if len(batches) >= min_batches or min_batches <= 1 or not pieces:
+            break
     if not batches:
         raise ValueError(f"the corpus holds {sum(lengths)} tokens, fewer than one batch of {batch_tokens}: "
                          f"lower --batch-tokens")

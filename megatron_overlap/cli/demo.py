@@ -362,7 +362,8 @@ def main(args) -> int:
 
         tp = args.tp or 1
         result = run_hdp_demo(out=print if not args.no_progress else _table_only, tp=tp,
-                              capacity=args.hdp_capacity or DEFAULT_CAPACITY * tp)
+                              capacity=args.hdp_capacity or DEFAULT_CAPACITY * tp,
+                              planning_steps=5 if tp == 1 else 0)  # steps planned inline vs one step ahead
         if args.json:
             print(json.dumps(result))
         return 0

@@ -51,11 +51,14 @@ def _cpu_only_children():
 
 def run_hdp_demo(out: Optional[Callable[[str], None]] = print, ranks: int = 4,
                  lengths: Sequence[int] = DEFAULT_LENGTHS, capacity: int = DEFAULT_CAPACITY, repeats: int = 5,
-                 seed: int = 1234, hidden: int = 256, ffn: int = 704, layers: int = 2, tp: int = 1) -> dict:
+                 seed: int = 1234, hidden: int = 256, ffn: int = 704, layers: int = 2, tp: int = 1,
+                 planning_steps: int = 0) -> dict:
     """Run the demo (module docstring); ``out`` gets progress lines and the table (None: quiet).
     Returns the measured numbers: per layout, per-rank ``busy_ms`` (CPU), ``wall_ms``,
     micro-batches, rows, tokens, plus ``step_ms``, ``imbalance`` (max / mean busy), ``loss``; and
-    ``grad_rel_diff`` between the two layouts' gradients."""
+    ``grad_rel_diff`` between the two layouts' gradients; with ``planning_steps``, ``planning``:
+    per mode (inline, ahead) the median step through ``HdpDataIterator`` and its wait for the plan
+    (rank 0's; ``lab.hdp_demo.HdpDemoRanks.measure_planning``)."""
     from ..hdp import check_batch
     from ..lab.hdp_demo import HdpDemoRanks
     from ..lab.rank_pool import RankPool
@@ -98,6 +101,14 @@ def run_hdp_demo(out: Optional[Callable[[str], None]] = print, ranks: int = 4,
             }
         say("[4/4] comparing the two layouts' gradients ...")
         result["grad_rel_diff"] = max(demo.call("compare_grads"))
+        if planning_steps:
+            say(f"[+] hdp: {planning_steps} steps through HdpDataIterator, planning inline, then one step ahead ...")
+            result["planning"] = {}
+            for mode in ("inline", "ahead"):
+                rows = demo.call("measure_planning", mode == "ahead", planning_steps)
+                result["planning"][mode] = {"step_ms": rows[0]["step_ms"],  # the same on every rank
+                                            "plan_wait_ms": max(r["plan_wait_ms"] for r in rows),
+                                            "plan_ms": max(r["plan_ms"] or 0.0 for r in rows) or None}
         result["tp_column_calls"] = sum(demo.call("tp_calls"))
         demo.close()
     result["seconds"] = time.perf_counter() - t_start
@@ -140,6 +151,10 @@ def format_table(result: dict) -> str:
                  f"lengths all-gather + plan + exchange: static {s['load_ms']:.1f} ms, hdp {h['load_ms']:.1f} ms")
     lines.append(f"total busy: static {sum(s['busy_ms']):.1f} ms, hdp {sum(h['busy_ms']):.1f} ms; "
                  f"step: static {s['step_ms']:.1f} ms, hdp {h['step_ms']:.1f} ms ({s['step_ms'] / h['step_ms']:.2f}x)")
+    for mode, p in result.get("planning", {}).items():
+        lines.append(f"hdp steps planned {mode}: step {p['step_ms']:.1f} ms, start_step waited {p['plan_wait_ms']:.1f} ms "
+                     f"for its plan" + (f" (the helper planned in {p['plan_ms']:.1f} ms)" if p.get("plan_ms") else
+                                        " (lengths all-gather + plan + exchange)"))
     lines.append(f"same result: loss static {s['loss']:.6f}, hdp {h['loss']:.6f}; gradients differ by "
                  f"{result['grad_rel_diff']:.1e} (relative)  [{result['seconds']:.0f} s]")
     return "\n".join(lines)

@@ -152,16 +152,48 @@ class HdpCostModel:
 
     def exposed_ring_ms(self, rows: float, pairs: float, ring: Sequence[int]) -> float:
         """Ring transfer time not hidden behind attention (module docstring)."""
-        n = len(ring)
-        if n <= 1:
+        if len(ring) <= 1:
             return 0.0
-        link = self.link(ring)
+        return self._exposed(rows, pairs, len(ring), self.link(ring))
+
+    def _exposed(self, rows: float, pairs: float, n: int, link: Link) -> float:
         t_kv = transfer_ms(self.kv_bytes_per_token * rows, link)
         t_kv_dkv = transfer_ms(2 * self.kv_bytes_per_token * rows, link, messages=2)
         a_fwd = pairs * self.attention_fwd_ms_per_pair / self.layers
         a_bwd = a_fwd * self.attention_bwd_factor
         per_layer = (n - 1) * (max(0.0, t_kv - a_fwd / n) + max(0.0, t_kv_dkv - a_bwd / n))
         return self.layers * per_layer
+
+    def peer_ms(self, seq_len: int, n: int, intra: bool) -> float:
+        """``sequence_ms`` of a ring of ``n`` that sits in one node (``intra``) or not, without
+        building the ring (the scheduler asks this for every size of every ring)."""
+        from .shard import rows_held
+
+        pairs = seq_len * (seq_len + 1) / 2 / n
+        if n <= 1:
+            return self.compute_ms(seq_len, pairs)
+        rows = rows_held(seq_len, n)
+        link = (Link(bandwidth_GBps=self.intra_link_GBps, latency_us=self.intra_latency_us) if intra else
+                Link(bandwidth_GBps=self.inter_link_GBps, latency_us=self.inter_latency_us))
+        return self.compute_ms(rows, pairs) + self._exposed(rows, pairs, n, link)
+
+    def peer_ms_many(self, seq_len: int, ns, intra):
+        """``peer_ms`` for a numpy array of ring sizes ``ns`` (all >= 2) and of ``intra`` flags:
+        the same float operations in the same order, elementwise (the scheduler's scan)."""
+        import numpy as np
+
+        pairs = seq_len * (seq_len + 1) / 2 / ns
+        rows = 2 * (-(-seq_len // (2 * ns)))
+        compute = rows * self.linear_ms_per_token + pairs * self.attention_fwd_ms_per_pair * (1 + self.attention_bwd_factor)
+        bw = np.where(intra, self.intra_link_GBps, self.inter_link_GBps)
+        lat = np.where(intra, self.intra_latency_us, self.inter_latency_us)
+        kvb = self.kv_bytes_per_token
+        t_kv = kvb * rows / (bw * 1e9) * 1e3 + (0.0 + 1 * lat * 1e-3)
+        t_kv_dkv = 2 * kvb * rows / (bw * 1e9) * 1e3 + (0.0 + 2 * lat * 1e-3)
+        a_fwd = pairs * self.attention_fwd_ms_per_pair / self.layers
+        a_bwd = a_fwd * self.attention_bwd_factor
+        per_layer = (ns - 1) * (np.maximum(0.0, t_kv - a_fwd / ns) + np.maximum(0.0, t_kv_dkv - a_bwd / ns))
+        return compute + self.layers * per_layer
 
     def item_ms(self, rows: float, pairs: float, ring: Sequence[int] = ()) -> float:
         """Busy time of one rank for one ring's (or local) rows in a micro-batch."""
@@ -172,9 +204,10 @@ class HdpCostModel:
         by default ``range(cp_size)``, one node when it fits)."""
         from .shard import rows_held
 
-        ring = tuple(ring) or tuple(range(cp_size))
+        if not ring:  # range(cp_size): one node when it fits
+            return self.peer_ms(seq_len, cp_size, cp_size <= self.gpus_per_node)
         pairs = seq_len * (seq_len + 1) / 2 / cp_size
-        return self.item_ms(rows_held(seq_len, cp_size), pairs, ring if cp_size > 1 else ())
+        return self.item_ms(rows_held(seq_len, cp_size), pairs, tuple(ring) if cp_size > 1 else ())
 
 
 @dataclass(frozen=True)
@@ -204,3 +237,9 @@ class SquareWorkload:
 
     def sequence_ms(self, seq_len: int, cp_size: int = 1, ring: Sequence[int] = ()) -> float:
         return seq_len * (seq_len + 1) / cp_size * self.ms_per_unit
+
+    def peer_ms(self, seq_len: int, n: int, intra: bool) -> float:
+        return self.sequence_ms(seq_len, n)
+
+    def peer_ms_many(self, seq_len: int, ns, intra):
+        return seq_len * (seq_len + 1) / ns * self.ms_per_unit

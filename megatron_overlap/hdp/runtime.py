@@ -77,7 +77,7 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -87,6 +87,7 @@ from ..errors import OverlapConfigError
 from .exchange import exchange_rows, gather_lengths
 from .layout import RowLayout, idle_layout, row_layout
 from .plan import Plan
+from .planahead import HdpDataIterator, Planner  # noqa: F401 (HdpDataIterator: the loop's view, re-exported)
 from .samples import MASK_DTYPE, as_samples
 from .scheduler import MODES
 
@@ -146,6 +147,20 @@ class MicroBatch:
                     packed_seq_params=self.packed_seq_params, hdp=self)
 
 
+@dataclass(frozen=True)
+class Gathered:
+    """What the lengths all-gather gives every rank: the batch's lengths, loss weights and, per
+    sample, (the rank that loaded it, its index there)."""
+
+    seq_lens: Tuple[int, ...]
+    weights: Tuple[float, ...]
+    owners: Tuple[Tuple[int, int], ...]
+
+    @property
+    def home(self) -> List[int]:
+        return [rank for rank, _ in self.owners]
+
+
 @dataclass
 class HdpStep:
     """One planned step on this rank: the plan, this rank's micro-batches in order, and the
@@ -187,7 +202,7 @@ class HdpRuntime:
     builds one from the config of ``--hdp`` for Megatron's model and groups."""
 
     def __init__(self, capacity_tokens: int, group: dist.ProcessGroup, adapter, mode: str = "dp",
-                 scheduler: str = "hdp", cost=None, device=None, row_multiple: int = 1, timeout_s=None):
+                 scheduler: str = "hdp", cost=None, device=None, row_multiple: int = 1, timeout_s=None, peer=None):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"the HDP runtime runs the {' or '.join(SCHEDULERS)} scheduler, not {scheduler!r}")
         if mode not in MODES:
@@ -201,6 +216,7 @@ class HdpRuntime:
         self.timeout_s = timeout_s  # comm.timeout_s: bounds the step's exchange (the rings: the attention's)
         self.group, self.adapter = group, adapter
         self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.planner = Planner(scheduler, self.size, capacity_tokens, mode, cost, peer)
         if device is None:
             device = group_device(self.group)
         self.device = torch.device(device)
@@ -209,34 +225,40 @@ class HdpRuntime:
     def plan(self, seq_lens: Sequence[int], home: Optional[Sequence[int]] = None) -> Plan:
         """The plan of a full batch (deterministic: the same on every rank). ``home``: per
         sequence, the group rank that loaded it (the hdp scheduler keeps sequences there where
-        the step allows)."""
-        from . import schedule
-
-        kwargs = {"mode": self.mode, "home": home} if self.scheduler == "hdp" else {}
-        return schedule(self.scheduler, list(seq_lens), self.size, self.capacity_tokens, self.cost, **kwargs)
+        the step allows). With a ``peer``, guarded (``planahead.Planner``)."""
+        return self.planner(seq_lens, home)
 
     def step(self, item) -> HdpStep:
         """Plan one step from this rank's samples (``as_samples`` formats) and load this rank's
         micro-batches. Collective: every rank of the group calls it."""
+        samples = as_samples(item)
+        gathered = self.gather(samples)
+        return self.load(samples, gathered, self.plan(gathered.seq_lens, home=gathered.home))
+
+    def gather(self, samples) -> "Gathered":
+        """Step part 1 (collective): every sample's length, loss weight and loading rank."""
         from ..comm import waits
 
-        samples = as_samples(item)
         with waits.at("HDP step", timeout_s=self.timeout_s):
-            return self._step(samples)
+            lens, weights, owners = gather_lengths(samples, self.group)
+        return Gathered(lens, weights, owners)
 
-    def _step(self, samples) -> HdpStep:
-        lens, weights, owners = gather_lengths(samples, self.group)
-        plan = self.plan(lens, home=[rank for rank, _ in owners])
+    def load(self, samples, gathered: "Gathered", plan: Plan) -> HdpStep:
+        """Step part 3 (collective): the row exchange of ``plan`` and this rank's micro-batches."""
+        from ..comm import waits
+
         if any(p for ph in plan.phases for p in ph):
             raise ValueError("the HDP runtime runs plans of one phase (no barriers between groups of micro-batches)")
         slots = plan.microbatches[self.rank]
         layouts = [row_layout(mb, k, self.rank, self.row_multiple) for k, mb in enumerate(slots) if mb]
-        data, moved = exchange_rows(plan, samples, owners, self.group)
+        with waits.at("HDP step", timeout_s=self.timeout_s):
+            data, moved = exchange_rows(plan, samples, gathered.owners, self.group)
         mbs = [self._microbatch(layout, rows) for layout, rows in zip(layouts, data)]
         if self.mode == "pp":  # a pipeline runs a fixed count: every slot, the empty ones as masked micro-batches
             work = iter(mbs)
             mbs = [next(work) if mb else self.idle_microbatch() for mb in slots]
-        return HdpStep(plan, self.rank, self.group, self.adapter, mbs, lens, weights, owners, moved)
+        return HdpStep(plan, self.rank, self.group, self.adapter, mbs, gathered.seq_lens, gathered.weights,
+                       gathered.owners, moved)
 
     def microbatch(self, layout: RowLayout, data: torch.Tensor) -> "MicroBatch":
         """The micro-batch of ``layout`` with its rows' ``data [T, 3]`` (token, label, mask bits)."""
@@ -331,40 +353,6 @@ def reduce_gradients(model_or_params, group: dist.ProcessGroup) -> None:
 
 
 # --------------------------------------------------------------------- Megatron-style loop
-class HdpDataIterator:
-    """Wraps a data iterator that yields, per step, this rank's samples (``as_samples``
-    formats). ``start_step()`` plans the next step (collective) and returns this rank's number of
-    micro-batches for the schedule; then ``next()`` yields them as Megatron batch dicts, each with
-    ``hdp`` (the ``MicroBatch``) for ``forward_step``."""
-
-    def __init__(self, data_iterator: Iterable, runtime: HdpRuntime):
-        self._source: Iterator = iter(data_iterator)
-        self.runtime = runtime
-        self.current: Optional[HdpStep] = None
-        self._queue: List[dict] = []
-
-    def start_step(self) -> int:
-        if self._queue:
-            raise RuntimeError(f"start_step() with {len(self._queue)} micro-batches of the previous step unused: "
-                               f"the schedule must run every micro-batch start_step() counted")
-        self.current = self.runtime.step(next(self._source))
-        self._queue = [mb.batch() for mb in self.current.microbatches]
-        if not self._queue:
-            self._queue = [self.runtime.idle_microbatch().batch()]
-        for b in self._queue:
-            b["global_tokens"] = self.current.global_tokens
-        return len(self._queue)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        if not self._queue:
-            raise RuntimeError("no HDP micro-batch left: call start_step() before each step's schedule and run "
-                               "exactly the number of micro-batches it returned")
-        return self._queue.pop(0)
-
-
 def per_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Megatron's ``calculate_per_token_loss`` contract: (loss sum, token count, report)."""
     losses = output_tensor.float().reshape(-1)

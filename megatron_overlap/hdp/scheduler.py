@@ -160,55 +160,9 @@ class _Ring:
     end: float
 
 
-def _choose_ring(seq_len: int, n: int, clock: List[float], cost: HdpCostModel) -> Tuple[Tuple[int, ...], float, float]:
-    """(ring, start, end) of the earliest-ending candidate rank set (module docstring, step 1)."""
-    R = len(clock)
-    order = sorted(range(R), key=lambda r: (clock[r], r))
-    candidates = [tuple(sorted(order[:n]))]
-    gpn = cost.gpus_per_node
-    if n <= gpn < R:
-        for node in range(0, R, gpn):
-            members = [r for r in order if node <= r < node + gpn][:n]
-            if len(members) == n:
-                candidates.append(tuple(sorted(members)))
-    scored = []
-    for ring in dict.fromkeys(candidates):  # de-duplicated, order kept
-        start = max(clock[r] for r in ring)
-        w = ring_ms(seq_len, ring, cost)
-        intra = len({r // gpn for r in ring}) == 1
-        spread = sum(start - clock[r] for r in ring)
-        scored.append((start + w, spread, ring, start, w, intra))
-    best_end = min(s[0] for s in scored)
-    intra_ok = [s for s in scored if s[5] and s[0] <= best_end + NODE_SLACK * s[4]]
-    end, _, ring, start, _, _ = min(intra_ok or scored)
-    return ring, start, end
-
-
-def _spread_choice(seq_len: int, low: int, clock: List[float], cost: HdpCostModel, rest_ms: float,
-                   spread: bool):
-    """Step 1's ring size: from the fewest ranks that hold the sequence (``low``) up to all R,
-    the one whose estimated step is shortest, max(this ring's end, (work placed so far + this
-    ring's busy and idle time + ``rest_ms`` still to place) / R): more ranks end a dominant
-    sequence sooner at the price of ring traffic and of the gaps its peers wait in. Ties: fewer
-    ranks. Returns (n, ring, start, end); n = 1: held whole (no ring)."""
-    R = len(clock)
-    placed = sum(clock)
-    best = None
-    for n in (range(low, R + 1) if spread else (low,)):
-        if n == 1:
-            r = min(range(R), key=lambda x: (clock[x], x))
-            ring, start, end = (r,), clock[r], clock[r] + local_ms(seq_len, cost)
-        else:
-            ring, start, end = _choose_ring(seq_len, n, clock, cost)
-        estimate = max(end, (placed + sum(end - clock[r] for r in ring) + rest_ms) / R)
-        if best is None or estimate < best[0] * (1 - 1e-9):
-            best = (estimate, n, ring, start, end)
-    return best[1:]
-
-
 def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequence[int], R: int, C: int,
-                 cost: HdpCostModel, spread: bool):
-    """Step 1: rings, costliest first, each sized by ``_spread_choice`` and placed where it ends
+                 cost: HdpCostModel, spread: bool, cache: Optional[dict] = None):
+    """Step 1: rings, costliest first, each sized by ``sizes.spread_choice`` and placed where it ends
     earliest. ``ring_ids``: the sequences longer than C, and with ``spread`` the short ones whose
     work alone exceeds a balanced rank's (one that stays on one rank goes back to the short
     sequences). Returns (rings, clock, gaps, ids back to short) with gaps[(rank, ring index)] =
@@ -217,12 +171,21 @@ def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequen
     rings: List[_Ring] = []
     gaps: Dict[Tuple[int, int], float] = {}
     low = {i: ranks_needed(lens[i], C) if lens[i] > C else 1 for i in ring_ids}
-    area = {i: sequence_options(lens[i], low[i], R if spread else low[i], cost)[1] for i in ring_ids}
+    from .sizes import spread_choice
+
+    cache = {} if cache is None else cache
+    options = {}  # by length: the least busy time over the sizes it may take
+    for i in ring_ids:
+        key = ("area", lens[i], spread)
+        if key not in cache:
+            cache[key] = sequence_options(lens[i], low[i], R if spread else low[i], cost)[1]
+        options[lens[i]] = cache[key]
+    area = {i: options[lens[i]] for i in ring_ids}
     rest = sum(area.values()) + sum(local_ms(lens[i], cost) for i in short_ids)
     back = []
     for i in ring_ids:
         rest -= area[i]
-        n, ring, start, end = _spread_choice(lens[i], low[i], clock, cost, rest, spread)
+        n, ring, start, end = spread_choice(lens[i], low[i], clock, cost, rest, spread, cache)
         if n == 1:
             back.append(i)
             rest += local_ms(lens[i], cost)
@@ -287,9 +250,10 @@ def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
     cost = cost or HdpCostModel()
     home = check_home(home, len(lens), ranks)
     best, best_key = None, None
+    cache: dict = {}  # peer times by (length, ring size, in one node), shared by the plans tried
     for wide in ((False, True) if spread and mode == "dp" else (False,)):
         for homed in ((home, None) if home is not None else (None,)):
-            plan = _build(lens, ranks, capacity_tokens, cost, mode, wide, homed, home)
+            plan = _build(lens, ranks, capacity_tokens, cost, mode, wide, homed, home, cache)
             step = simulate(plan, cost).step_ms
             key = (step, plan.moved_tokens(home) if home is not None else 0)
             # the shortest step; among steps equal within 1e-9, the fewest tokens moved
@@ -299,7 +263,8 @@ def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
     return best
 
 
-def _build(lens, R: int, C: int, cost: HdpCostModel, mode: str, spread: bool, home, loaded) -> Plan:
+def _build(lens, R: int, C: int, cost: HdpCostModel, mode: str, spread: bool, home, loaded,
+           cache: Optional[dict] = None) -> Plan:
     """One plan; ``home``: placement by locality (or None), ``loaded``: the loading ranks the
     notes count moved tokens against."""
     by_length = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
@@ -309,7 +274,13 @@ def _build(lens, R: int, C: int, cost: HdpCostModel, mode: str, spread: bool, ho
     ring_ids = [i for i in by_length if lens[i] > C or (spread and local_ms(lens[i], cost) > share)]
     chosen = set(ring_ids)
     short_ids = [i for i in short_ids if i not in chosen]
-    rings, clock, gaps, back = _place_rings(lens, ring_ids, short_ids, R, C, cost, spread)
+    key = ("rings", spread)  # step 1 does not depend on home: the plans with and without share it
+    if cache is None or key not in cache:
+        placed = _place_rings(lens, ring_ids, short_ids, R, C, cost, spread, cache)
+        if cache is None:
+            cache = {}
+        cache[key] = placed
+    rings, clock, gaps, back = cache[key]
     if home is not None:
         rings, gaps, clock = relabel_rings(rings, gaps, clock, home, cost)
     short_ids = sorted(short_ids + back, key=lambda i: (-lens[i], i))

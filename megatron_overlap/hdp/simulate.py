@@ -77,6 +77,14 @@ def sequence_options(seq_len: int, low: int, high: int, cost) -> Tuple[float, fl
     sizes ``low``..``high`` (1: held whole), each ring within one node when it fits (the cheaper
     link)."""
     best, area = float("inf"), float("inf")
+    if high - low > 16 and hasattr(cost, "peer_ms_many"):  # the same numbers, numpy for the long scan
+        import numpy as np
+
+        if low == 1:
+            best = area = cost.sequence_ms(seq_len, 1)
+        ns = np.arange(max(low, 2), high + 1)
+        w = cost.peer_ms_many(seq_len, ns, ns <= cost.gpus_per_node)
+        return min(best, float(w.min())), min(area, float((ns * w).min()))
     for n in range(low, high + 1):
         w = cost.sequence_ms(seq_len, n)
         best, area = min(best, w), min(area, n * w)

@@ -183,7 +183,8 @@ def make_runtime(hdp, group: Optional[dist.ProcessGroup] = None, **kwargs):
     the Megatron model adapter and, with TP > 1, rows padded to a multiple of the TP size
     (sequence parallelism splits them; without it the padding is only wasted rows).
     ``kwargs`` go to the runtime (``scheduler``, ``cost``, ``device``, ``row_multiple``, ``timeout_s``:
-    default, the installed config's ``comm.timeout_s``)."""
+    default, the installed config's ``comm.timeout_s``); ``guard=True`` gives it megatron-core's
+    ``BalancedCPScheduler`` as the peer ``hdp.guard`` checks every plan against."""
     from ..hdp.runtime import HdpRuntime
 
     if not hdp.enabled:
@@ -199,5 +200,9 @@ def make_runtime(hdp, group: Optional[dist.ProcessGroup] = None, **kwargs):
 
         config = active_config()
         kwargs["timeout_s"] = config.comm.timeout_s if config is not None else None
+    if kwargs.pop("guard", False):  # hdp.guard: never more than 1% slower than megatron-core's own plan
+        from .baselines import schedule_megatron_balanced
+
+        kwargs["peer"] = schedule_megatron_balanced
     return HdpRuntime(hdp.max_tokens, group if group is not None else default_group(), MegatronModel(),
                       mode=hdp.mode, **kwargs)

@@ -12,7 +12,12 @@ name in ``megatron.training.training``. There it is wrapped so that each call of
    ``cu_seqlens``);
 2. the runtime plans the step over the data-parallel group (``hdp.runtime.HdpDataIterator``):
    this rank's micro-batch count replaces ``num_microbatches`` (it differs between ranks with
-   ``--hdp-mode dp``; with ``pp``, under a pipeline, every rank runs the same slots);
+   ``--hdp-mode dp``; with ``pp``, under a pipeline, every rank runs the same slots). Planned one
+   step ahead (``hdp.planahead``): while a step is loaded the next step's documents are read and
+   their lengths all-gathered, and a helper process plans them while this step trains (one
+   ``HdpDataIterator`` per script data iterator, so validation steps keep their own). The next
+   step's documents are read with this step's ``num_microbatches``: under a batch-size ramp-up a
+   step runs the previous step's count of batches;
 3. the script's own ``forward_step_func`` runs on each micro-batch, read from an iterator of
    plain batch dicts (tokens, labels, loss mask, true positions; no attention mask: documents
    are kept apart by the ring context), inside the micro-batch's ring context
@@ -156,6 +161,8 @@ class _Loop:
         self.inst = inst
         self.runtime = None
         self.active = None  # the step's _Batches while its schedule runs
+        self.iterators = {}  # id(script's data iterator) -> (it, its HdpDataIterator)
+        self.microbatches = 0  # the running step's num_microbatches: batches a step's documents take
 
     def wrap(self, schedule):
         from megatron.core.utils import get_model_config
@@ -175,11 +182,11 @@ class _Loop:
         return forward_backward
 
     def _step(self, schedule, forward_step_func, data_iterator, model, num_microbatches, config, kwargs):
-        from ..hdp.runtime import HdpDataIterator
-
-        step = HdpDataIterator(iter([self._documents(data_iterator, num_microbatches)]), self._runtime())
+        step = self._hdp_iterator(data_iterator, num_microbatches)
+        ahead = step.ahead_steps
         count = step.start_step()
         self._count(step.current)
+        self.inst.calls["hdp.planned_ahead"] += step.ahead_steps - ahead
         self.active = _Batches(step)
         variable = config.variable_seq_lengths  # stages exchange each micro-batch's shape (they vary)
         config.variable_seq_lengths = True
@@ -189,6 +196,27 @@ class _Loop:
         finally:
             self.active = None
             config.variable_seq_lengths = variable
+
+    def _hdp_iterator(self, data_iterator, m: int):
+        """One ``HdpDataIterator`` per data iterator of the script (training, validation), planning
+        one step ahead: it reads the next step's documents (``m`` batches, this step's count) while
+        loading this one and plans them in its helper process while this step trains."""
+        from ..hdp.planahead import HdpDataIterator
+
+        self.microbatches = m
+        entry = self.iterators.get(id(data_iterator))
+        if entry is None or entry[0] is not data_iterator:
+            entry = (data_iterator, HdpDataIterator(self._reader(data_iterator), self._runtime(), plan_ahead=True))
+            self.iterators[id(data_iterator)] = entry
+        return entry[1]
+
+    def _reader(self, data_iterator):
+        while True:
+            try:
+                docs = self._documents(data_iterator, self.microbatches)
+            except StopIteration:  # the script's data ended: so does the HDP iterator
+                return
+            yield docs
 
     def _runtime(self):
         if self.runtime is None:

@@ -85,6 +85,35 @@ class HdpDemoRanks:
             "loss": loss,
         }
 
+    def measure_planning(self, plan_ahead: bool, steps: int, warmup: int = 2) -> dict:
+        """``steps`` training steps of the hdp layout through ``HdpDataIterator`` (the same
+        samples each step), planning inline or one step ahead in a helper process: per step the
+        wall time from a barrier to the last rank's end (start_step + forward + backward), and
+        the time start_step waited for its plan (inline: the whole lengths + plan + exchange)."""
+        from ..hdp.planahead import HdpDataIterator
+        from ..hdp.runtime import forward_backward
+        from ..integration.hdp import make_runtime
+
+        runtime = make_runtime(self.installation.config.hdp)
+        it = HdpDataIterator(iter([self.samples] * (warmup + steps)), runtime, plan_ahead=plan_ahead)
+        times, waits = [], []
+        for k in range(warmup + steps):
+            self.model.zero_grad(set_to_none=True)
+            dist.barrier(dist.group.WORLD)
+            wait0, start = it.plan_wait_s, time.perf_counter()
+            count = it.start_step()
+            forward_backward(self.model, it.current)
+            for _ in range(count):
+                next(it)
+            span = torch.tensor([-start, time.perf_counter()], dtype=torch.float64)
+            dist.all_reduce(span, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+            if k >= warmup:
+                times.append(1e3 * float(span.sum()))
+                waits.append(1e3 * (it.plan_wait_s - wait0))
+        it.close()
+        return {"step_ms": statistics.median(times), "plan_wait_ms": statistics.median(waits),
+                "plan_ms": 1e3 * it.plan_s / max(1, warmup + steps) if plan_ahead else None}
+
     def tp_calls(self) -> int:
         return self.installation.calls["tp.column"]
 

@@ -1,0 +1,137 @@
+"""Step 1 of the scheduler (``scheduler.py``): the size of each ring and the ranks it takes,
+for every size from the fewest ranks that hold the sequence up to all R. The candidates and the
+choice are the module docstring's of ``scheduler.py``; this module makes them cheap: the clocks
+sorted once per ring, prefix sums for a candidate's start and its peers' waits, a peer's time
+cached by (length, size, in one node), and the sizes whose only candidate is the n least busy
+ranks scored together with numpy in the same float operations (the same plans, bit for bit)."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .cost import HdpCostModel
+from .scheduler import NODE_SLACK, local_ms  # sizes is imported by scheduler's functions, after it
+
+
+class RingSizes:
+    """Step 1's candidate rank sets for every ring size n at once, from the clocks sorted once:
+    the n ranks with the smallest clocks, and (when n fits in a node) each node's n least busy.
+    A candidate's start is the clock of its n-th rank, its peers' waits n x start - (their
+    clocks' sum), both from prefix sums; a peer's time depends on the ring only through n and
+    whether it sits in one node. So each size costs O(R / gpus_per_node), not O(R log R)."""
+
+    def __init__(self, seq_len: int, clock: List[float], cost: HdpCostModel, cache: Optional[dict] = None):
+        self.seq_len, self.clock, self.cost = seq_len, clock, cost
+        R, gpn = len(clock), cost.gpus_per_node
+        self.order = sorted(range(R), key=lambda r: (clock[r], r))
+        self.prefix = _prefix([clock[r] for r in self.order])
+        self.nodes_upto = []  # nodes among the first n ranks of ``order``
+        seen = set()
+        for r in self.order:
+            seen.add(r // gpn)
+            self.nodes_upto.append(len(seen))
+        self._node_order = None
+        self.w: Dict[Tuple[int, int, bool], float] = {} if cache is None else cache  # (L, n, intra) -> peer time
+
+    @property
+    def node_order(self):
+        """Per node, its ranks by clock and their clocks' prefix sums (built when first asked)."""
+        if self._node_order is None:
+            gpn, clock = self.cost.gpus_per_node, self.clock
+            by_node: Dict[int, List[int]] = {}
+            for r in self.order:
+                by_node.setdefault(r // gpn, []).append(r)
+            self._node_order = [(m, _prefix([clock[r] for r in m])) for _, m in sorted(by_node.items())]
+        return self._node_order
+
+    def _w(self, n: int, intra: bool) -> float:
+        key = (self.seq_len, n, intra)
+        w = self.w.get(key)
+        if w is None:
+            w = self.w[key] = self.cost.peer_ms(self.seq_len, n, intra)
+        return w
+
+    def estimates(self, lo: int, hi: int, placed: float, rest_ms: float) -> Dict[int, float]:
+        """``spread_choice``'s estimate for every size lo..hi at once (numpy, the same float
+        operations in the same order as one size at a time, so the same numbers), for sizes whose
+        only candidate is the n least busy ranks (n > gpus_per_node, or one node holds all)."""
+        import numpy as np
+
+        R = len(self.clock)
+        ns = np.arange(lo, hi + 1)
+        start = np.array([self.clock[r] for r in self.order])[ns - 1]
+        waits = ns * start - np.array(self.prefix)[ns]
+        intra = np.array(self.nodes_upto)[ns - 1] == 1
+        w = self.cost.peer_ms_many(self.seq_len, ns, intra)
+        end = start + w
+        est = np.maximum(end, (placed + ns * (end - start) + waits + rest_ms) / R)
+        return dict(zip(ns.tolist(), est.tolist()))
+
+    def best(self, n: int):
+        """(ring, start, end, the peers' waits) of size n (``scheduler`` module docstring, step 1):
+        the earliest end, an intra-node ring unless it ends more than NODE_SLACK x its time
+        later; ties: the smaller waits, then the lower rank ids."""
+        clock, gpn, R = self.clock, self.cost.gpus_per_node, len(self.clock)
+        start = clock[self.order[n - 1]]
+        intra = self.nodes_upto[n - 1] == 1
+        w = self._w(n, intra)
+        scored = [(start + w, n * start - self.prefix[n], -1, start, w, intra)]
+        if n <= gpn < R:
+            for k, (members, pre) in enumerate(self.node_order):
+                if len(members) >= n:
+                    s = clock[members[n - 1]]
+                    wi = self._w(n, True)
+                    scored.append((s + wi, n * s - pre[n], k, s, wi, True))
+        best_end = min(x[0] for x in scored)
+        pool = [x for x in scored if x[5] and x[0] <= best_end + NODE_SLACK * x[4]] or scored
+        top = min((x[0], x[1]) for x in pool)
+        ties = [(self._members(x[2], n), x) for x in pool if (x[0], x[1]) == top]
+        ring, x = min(ties, key=lambda t: t[0])
+        return ring, x[3], x[0], x[1]
+
+    def _members(self, k: int, n: int) -> Tuple[int, ...]:
+        return tuple(sorted(self.order[:n] if k < 0 else self.node_order[k][0][:n]))
+
+
+def _prefix(values: Sequence[float]) -> List[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def spread_choice(seq_len: int, low: int, clock: List[float], cost: HdpCostModel, rest_ms: float,
+                   spread: bool, cache: Optional[dict] = None):
+    """Step 1's ring size: from the fewest ranks that hold the sequence (``low``) up to all R,
+    the one whose estimated step is shortest, max(this ring's end, (work placed so far + this
+    ring's busy and idle time + ``rest_ms`` still to place) / R): more ranks end a dominant
+    sequence sooner at the price of ring traffic and of the gaps its peers wait in. Ties: fewer
+    ranks. Returns (n, ring, start, end); n = 1: held whole (no ring)."""
+    R = len(clock)
+    placed = sum(clock)
+    sizes = RingSizes(seq_len, clock, cost, cache)
+    high = R if spread else low
+    estimates = {}
+    if high - low > 16 and hasattr(cost, "peer_ms_many"):
+        estimates = sizes.estimates(max(low, 2, cost.gpus_per_node + 1 if cost.gpus_per_node < R else 2), high,
+                                    placed, rest_ms)
+    best = None
+    for n in range(low, high + 1):
+        if n in estimates:
+            estimate = estimates[n]
+        else:
+            if n == 1:
+                start = clock[sizes.order[0]]
+                end, waits = start + local_ms(seq_len, cost), 0.0
+            else:
+                _, start, end, waits = sizes.best(n)
+            # busy and idle time of the ring's peers: n (end - start) + their waits before it
+            estimate = max(end, (placed + n * (end - start) + waits + rest_ms) / R)
+        if best is None or estimate < best[0] * (1 - 1e-9):
+            best = (estimate, n)
+    n = best[1]
+    if n == 1:
+        r = sizes.order[0]
+        return 1, (r,), clock[r], clock[r] + local_ms(seq_len, cost)
+    ring, start, end, _ = sizes.best(n)
+    return n, ring, start, end
