@@ -15,7 +15,7 @@ from typing import Sequence
 from ..errors import OverlapConfigError
 from .chunk_split import split_chunks, v_order
 from .chunks import (F, chunked_actions, check_interleaved, interleaved_placement, megatron_order,
-                     megatron_warmup, v_placement)
+                     megatron_warmup, timeline, v_placement)
 from .schedule import Schedule
 from .validate import validate
 
@@ -60,7 +60,8 @@ def build_chunked(kind: str, p: int, m: int, v: int, inflight: int = 0, w_share:
         name = ("megatron interleaved" if kind == "megatron" else f"{kind} interleaved") + f" (v={v})" + \
             (f" (inflight {inflight})" if extra else "")
     split = kind in ("zb", "zbv") and not forward_only
-    actions = [chunked_actions(orders, placement, s, forward_only) for s in range(p)]
+    end = timeline(orders, placement)
+    actions = [chunked_actions(orders, placement, s, forward_only, end) for s in range(p)]
     schedule = Schedule(name=name, stages=p, microbatches=m, split=split, inflight=inflight or p,
                         actions=tuple(tuple(a) for a in actions), memory_bound=bound, w_share=w_share,
                         forward_only=forward_only, chunks=len({c for _s, c in placement}), placement=placement)

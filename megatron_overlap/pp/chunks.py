@@ -29,10 +29,10 @@ Orders (per stage, (op, chunk, mb)):
                  the stage's layers) held
 
 Transfers (``chunked_actions``): between two chunks of one stage none; between stages every
-stage posts its transfers in one global order, the order they are produced in a reference run
+stage posts its transfers in one order shared by all stages, the order they are produced in a reference run
 of the compute orders (ties broken alike everywhere), each as early as that order allows (a
 send once produced, a receive once every earlier transfer of the stage is posted), and waits
-for each just before use. One global order keeps both backend models deadlock-free: the
+for each just before use. One shared order keeps both backend models deadlock-free: the
 earliest unfinished transfer is always posted, and at the head of the executing batch, at both
 ends (``validate`` checks it anyway).
 """
@@ -135,10 +135,12 @@ def timeline(orders: Sequence[Order], placement, times=(1.0, 1.0, 1.0)) -> Dict[
     return end
 
 
-def chunked_actions(orders: Sequence[Order], placement, stage: int, forward_only: bool = False) -> List[Action]:
-    """Stage ``stage``'s actions for the compute ``orders`` of all stages (module docstring)."""
+def chunked_actions(orders: Sequence[Order], placement, stage: int, forward_only: bool = False,
+                    end=None) -> List[Action]:
+    """Stage ``stage``'s actions for the compute ``orders`` of all stages (module docstring);
+    ``end``: their ``timeline``, when the caller has it."""
     s = stage
-    end = timeline(orders, placement)
+    end = timeline(orders, placement) if end is None else end
     mine = []  # every transfer of this stage as (reference time, producer, kind, mb, chunk, Comm seen from s)
     for r, o in enumerate(orders):
         for op, c, mb in o:
@@ -150,7 +152,7 @@ def chunked_actions(orders: Sequence[Order], placement, stage: int, forward_only
             kind = ACT if op == F else GRAD
             comm = Comm(SEND, kind, mb, nxt[0], c, nxt[2]) if r == s else Comm(RECV, kind, mb, r, nxt[2], c)
             mine.append((end[(r, op, c, mb)], r, kind, mb, c, comm))
-    mine.sort(key=lambda x: x[:5])  # one global order: both ends of every transfer see the same one
+    mine.sort(key=lambda x: x[:5])  # one order shared by all stages: both ends of every transfer see the same one
     queue = [x[-1] for x in mine]
     produced, out, ptr = set(), [], [0]
 

@@ -202,6 +202,8 @@ def _simulate(schedule: Schedule, model: str) -> None:
     batches: List[List[Tuple[Comm, ...]]] = [[] for _ in range(p)]  # per stage: posted batches
     active = [0] * p  # index of each stage's executing batch (model "batch")
     complete = set()  # (stage, comm)
+    pending: List[List[Comm]] = [[] for _ in range(p)]  # model "link": posted, not complete
+    position: Dict[Tuple[int, Comm], int] = {}  # (stage, comm) -> its place on its channel
 
     def mate(s, c):
         return c.peer, c.mate(s)
@@ -212,15 +214,16 @@ def _simulate(schedule: Schedule, model: str) -> None:
             changed = False
             for s in range(p):
                 if model == "link":
-                    for c in [c for b in batches[s] for c in b]:
+                    for c in pending[s]:
                         if (s, c) in complete:
                             continue
                         peer, m = mate(s, c)
-                        mine = channel_posts[(s, c.peer, c.op)].index(c)
+                        mine = position[(s, c)]
                         theirs = channel_posts.get((peer, s, m.op), [])
                         if mine < len(theirs) and theirs[mine] == m:
                             complete.update({(s, c), (peer, m)})
                             changed = True
+                    pending[s] = [c for c in pending[s] if (s, c) not in complete]
                 else:
                     while active[s] < len(batches[s]):
                         batch = batches[s][active[s]]
@@ -248,7 +251,10 @@ def _simulate(schedule: Schedule, model: str) -> None:
                 if a.op == POST:
                     batches[s].append(a.comms)
                     for c in a.comms:
-                        channel_posts.setdefault((s, c.peer, c.op), []).append(c)
+                        channel = channel_posts.setdefault((s, c.peer, c.op), [])
+                        position[(s, c)] = len(channel)
+                        channel.append(c)
+                        pending[s].append(c)
                 ptr[s] += 1
                 moved = True
         if all(ptr[s] == len(acts[s]) for s in range(p)):
