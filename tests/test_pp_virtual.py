@@ -173,3 +173,27 @@ def test_bad_virtual_pipelines_are_refused_with_the_reason():
         build("zb", 4, 6, chunks=2)
     with pytest.raises(ValueError, match="p <= g <= m"):
         build("megatron", 2, 4, chunks=2, group=5)
+
+
+def test_plan_ranks_stock_interleaved_and_ours_with_memory_and_never_recommends_a_schedule_only_row():
+    from megatron_overlap.tune.hardware import get_hardware
+    from megatron_overlap.tune.models import RunSpec, get_model
+    from megatron_overlap.tune.planner import format_plan, make_plan
+    from megatron_overlap.tune.published import published_rows
+    from megatron_overlap.tune.virtual import SCHEDULE_ONLY
+
+    plan = make_plan(get_model("llama3-70b"), RunSpec(tp=8, pp=4, dp=2, seq=8192, micro_batch=1, micro_batches=16,
+                                                      phase="train"), get_hardware("h100-sxm"))
+    rows = {r.label: r for r in plan.pipeline}
+    for label in ("stock Megatron 1F1B", "stock Megatron interleaved v=2", "stock Megatron interleaved v=4",
+                  "zb interleaved v=2", "zbv (ZB-V)"):
+        assert label in rows
+    assert rows["stock Megatron interleaved v=2"].flags == "--num-layers-per-virtual-pipeline-stage 10"
+    # memory per stage: ZB-V at 1F1B's, interleaved above it (Megatron's warm-up holds more)
+    assert rows["zbv (ZB-V)"].peak_activation_gb == pytest.approx(rows["stock Megatron 1F1B"].peak_activation_gb)
+    assert rows["stock Megatron interleaved v=2"].peak_activation_gb > rows["stock Megatron 1F1B"].peak_activation_gb
+    text = format_plan(plan)
+    best = text.splitlines()[-1]
+    assert best.startswith("best schedule:") and SCHEDULE_ONLY not in best
+    virtual = [r for r in published_rows() if r["system"] in ("ZB-V", "Megatron-LM interleaved 1F1B")]
+    assert len(virtual) == 3 and all(r["error"] is None or abs(r["error"]) < 0.05 for r in virtual)

@@ -80,8 +80,10 @@ def make_plan(model: ModelSpec, run: RunSpec, hw, strategies: list = None) -> Pl
     pipeline = None
     if run.pp > 1 and run.training and ranked:
         from .pipeline import simulate_schedules
+        from .virtual import simulate_virtual
 
-        pipeline = simulate_schedules(model, run, hw, ranked[0].strategy)
+        pipeline = simulate_schedules(model, run, hw, ranked[0].strategy) + simulate_virtual(
+            model, run, hw, ranked[0].strategy)
     return Plan(model, run, hw, ranked, [r for r in results if not r.applicable], pipeline)
 
 
@@ -127,7 +129,9 @@ def format_plan(plan: Plan) -> str:
     if plan.pipeline:
         from .pipeline import format_schedules
 
-        best = min(plan.pipeline, key=lambda r: r.step_ms)
+        from .virtual import SCHEDULE_ONLY
+
+        best = min((r for r in plan.pipeline if r.flags != SCHEDULE_ONLY), key=lambda r: r.step_ms)
         lines += ["", f"with {plan.best.name} inside each stage, " + format_schedules(plan.pipeline),
                   f"best schedule: {best.label} ({plan.pipeline[0].step_ms / best.step_ms:.2f}x stock 1F1B)  ->  "
                   f"{best.flags or '(stock)'}"]
