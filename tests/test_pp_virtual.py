@@ -197,3 +197,15 @@ def test_plan_ranks_stock_interleaved_and_ours_with_memory_and_never_recommends_
     assert best.startswith("best schedule:") and SCHEDULE_ONLY not in best
     virtual = [r for r in published_rows() if r["system"] in ("ZB-V", "Megatron-LM interleaved 1F1B")]
     assert len(virtual) == 3 and all(r["error"] is None or abs(r["error"]) < 0.05 for r in virtual)
+
+
+def test_overlap_pp_on_a_virtual_pipeline_is_refused_saying_why():
+    """No executor for virtual pipelines yet: `--overlap-pp` refuses them, naming Megatron's flag,
+    the way back to Megatron's interleaved schedule, and `plan`."""
+    from megatron_overlap.config import ModelContext, PPConfig, TPConfig
+    from megatron_overlap.pp.checks import check_pp_model
+
+    with pytest.raises(OverlapConfigError) as err:
+        check_pp_model(PPConfig(mode="zb"), TPConfig(), ModelContext(pp_size=4, virtual_pp_size=2))
+    text = str(err.value)
+    assert "virtual pipeline" in text and "Megatron's interleaved schedule" in text and "`plan`" in text

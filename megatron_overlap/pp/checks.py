@@ -19,7 +19,8 @@ def check_pp_model(pp, tp, ctx) -> None:
         raise OverlapConfigError(
             "pp.mode", "runs non-interleaved pipelines; this run asks for a virtual pipeline "
             "(`megatron.num_layers_per_virtual_pipeline_stage` / `megatron.virtual_pipeline_model_parallel_size`): "
-            "drop it, or drop `pp.mode` to run Megatron's interleaved schedule")
+            "drop it, or drop `pp.mode` to run Megatron's interleaved schedule (interleaved zero bubble and ZB-V "
+            "exist as schedules only, their executor is not built yet: `plan` shows what they would give)")
     for name in ctx.megatron_pp_flags:
         raise OverlapConfigError(
             f"megatron.{name}", f"changes Megatron's pipeline schedule, which `pp.mode` {pp.mode} replaces: "
