@@ -120,3 +120,41 @@ def pp_runs_distopt(runs: list, steps: int) -> dict:
     finally:
         megatron_overlap.uninstall()
     return out
+
+
+_VTRAINERS: dict = {}
+
+
+def vpp_runs(pp: int, v: int, overlap_grad_reduce: bool, runs: list, steps: int) -> dict:
+    """Virtual pipelines (issue 23): for each (mode, microbatches) in ``runs`` on the tiny GPT
+    with ``v`` chunks per stage: ``steps`` losses from the same start and every parameter's
+    gradient after the first step (this rank's chunks, in order)."""
+    import dataclasses
+
+    import megatron_overlap
+    from megatron_overlap.lab.pipeline_gpt import PipelineGPT
+    from megatron_overlap.lab.tiny_gpt import TinyGPT
+    from megatron_overlap.lab.virtual_gpt import VirtualPipelineTrainer
+
+    key = (pp, v, overlap_grad_reduce)
+    if key not in _VTRAINERS:
+        spec = TinyGPT(num_layers=2 * pp * v, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=256, seq=32,
+                       micro_batch=2)
+        _VTRAINERS[key] = VirtualPipelineTrainer(PipelineGPT(spec=spec, pp=pp), v, overlap_grad_reduce)
+    trainer = _VTRAINERS[key]
+    base, out = trainer.setup, {}
+    try:
+        for mode, m in runs:
+            trainer.setup = dataclasses.replace(base, microbatches=m)
+            inst = _install(mode, None, 1)
+            trainer.reset()
+            grads, losses = [], []
+            for step in range(steps):
+                losses.append(trainer.step(step, on_grads=grads.append if step == 0 else None))
+            out[f"{mode}/{m}"] = {"losses": losses, "grads": grads[0],
+                                  "calls": dict(inst.calls) if inst is not None else {},
+                                  "ran": inst.wgrad.ran if inst is not None and inst.wgrad is not None else 0}
+    finally:
+        trainer.setup = base
+        megatron_overlap.uninstall()
+    return out

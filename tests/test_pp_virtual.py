@@ -199,13 +199,16 @@ def test_plan_ranks_stock_interleaved_and_ours_with_memory_and_never_recommends_
     assert len(virtual) == 3 and all(r["error"] is None or abs(r["error"]) < 0.05 for r in virtual)
 
 
-def test_overlap_pp_on_a_virtual_pipeline_is_refused_saying_why():
-    """No executor for virtual pipelines yet: `--overlap-pp` refuses them, naming Megatron's flag,
-    the way back to Megatron's interleaved schedule, and `plan`."""
+def test_auto_on_a_virtual_pipeline_is_refused_saying_why():
+    """`auto` chooses among non-interleaved schedules: on a virtual pipeline it is refused, naming
+    Megatron's flag, the modes that run there and `plan`; 1f1b and zb pass."""
     from megatron_overlap.config import ModelContext, PPConfig, TPConfig
     from megatron_overlap.pp.checks import check_pp_model
 
+    ctx = ModelContext(pp_size=4, virtual_pp_size=2)
     with pytest.raises(OverlapConfigError) as err:
-        check_pp_model(PPConfig(mode="zb"), TPConfig(), ModelContext(pp_size=4, virtual_pp_size=2))
+        check_pp_model(PPConfig(mode="auto"), TPConfig(), ctx)
     text = str(err.value)
-    assert "virtual pipeline" in text and "Megatron's interleaved schedule" in text and "`plan`" in text
+    assert "virtual pipeline" in text and "1f1b or zb" in text and "`plan`" in text
+    for mode in ("1f1b", "zb"):
+        check_pp_model(PPConfig(mode=mode), TPConfig(), ctx)

@@ -15,12 +15,12 @@ def check_pp_model(pp, tp, ctx) -> None:
     """``pp``, ``tp``: the config's sections; ``ctx``: a ``config.ModelContext``."""
     if not pp_schedule_applies(pp, ctx):
         return
-    if ctx.virtual_pp_size is not None:
+    if ctx.virtual_pp_size is not None and pp.mode == "auto":
         raise OverlapConfigError(
-            "pp.mode", "runs non-interleaved pipelines; this run asks for a virtual pipeline "
+            "pp.mode", "auto chooses among non-interleaved schedules; this run asks for a virtual pipeline "
             "(`megatron.num_layers_per_virtual_pipeline_stage` / `megatron.virtual_pipeline_model_parallel_size`): "
-            "drop it, or drop `pp.mode` to run Megatron's interleaved schedule (interleaved zero bubble and ZB-V "
-            "exist as schedules only, their executor is not built yet: `plan` shows what they would give)")
+            "choose `pp.mode` 1f1b or zb (Megatron's interleaved placement), or drop `pp.mode` to run Megatron's "
+            "interleaved schedule (`plan` compares them)")
     for name in ctx.megatron_pp_flags:
         raise OverlapConfigError(
             f"megatron.{name}", f"changes Megatron's pipeline schedule, which `pp.mode` {pp.mode} replaces: "
