@@ -158,3 +158,32 @@ def vpp_runs(pp: int, v: int, overlap_grad_reduce: bool, runs: list, steps: int)
         trainer.setup = base
         megatron_overlap.uninstall()
     return out
+
+
+def vpp_runs_distopt(pp: int, v: int, runs: list, steps: int) -> dict:
+    """``vpp_runs`` with Megatron's distributed optimizer, DDP overlap_grad_reduce and
+    overlap_param_gather (aligned: the schedule launches each chunk's gather); a fresh trainer
+    per run, the same start; every parameter after the last step too."""
+    import dataclasses
+
+    import megatron_overlap
+    from megatron_overlap.lab.pipeline_gpt import PipelineGPT
+    from megatron_overlap.lab.tiny_gpt import TinyGPT
+    from megatron_overlap.lab.virtual_gpt import VirtualPipelineTrainer
+
+    spec = TinyGPT(num_layers=2 * pp * v, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=256, seq=32, micro_batch=2)
+    out = {}
+    try:
+        for mode, m in runs:
+            trainer = VirtualPipelineTrainer(PipelineGPT(spec=spec, pp=pp, microbatches=m), v, True,
+                                             distributed_optimizer=True)
+            inst = _install(mode, None, 1)
+            grads, losses = [], []
+            for step in range(steps):
+                losses.append(trainer.step(step, on_grads=grads.append if step == 0 else None))
+            out[f"{mode}/{m}"] = {"losses": losses, "grads": grads[0], "params": trainer.state(),
+                                  "calls": dict(inst.calls) if inst is not None else {}}
+            megatron_overlap.uninstall()
+    finally:
+        megatron_overlap.uninstall()
+    return out

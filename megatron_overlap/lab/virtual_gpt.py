@@ -55,7 +55,7 @@ class VirtualPipelineTrainer:
     ``overlap_grad_reduce`` the chunks' ``start_grad_sync`` are the ``grad_sync_func`` (Megatron-LM's
     ``align_grad_reduce``)."""
 
-    def __init__(self, setup: PipelineGPT, v: int, overlap_grad_reduce: bool):
+    def __init__(self, setup: PipelineGPT, v: int, overlap_grad_reduce: bool, distributed_optimizer: bool = False):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
 
@@ -66,8 +66,10 @@ class VirtualPipelineTrainer:
             # previous and the next stage are one rank and its batch pairs an activation with a gradient)
             chunks = [build_chunk(setup.spec, setup.tp, setup.pp, v, c, gradient_accumulation_fusion=True,
                                   overlap_p2p_comm=True, batch_p2p_comm=False) for c in range(v)]
+        gather = distributed_optimizer and overlap_grad_reduce
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
-                                                   bucket_size=4096)
+                                                   bucket_size=4096, use_distributed_optimizer=distributed_optimizer,
+                                                   overlap_param_gather=gather, align_param_gather=gather)
         self.ddps = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=c > 0)
                      for c, chunk in enumerate(chunks)]
         config = chunks[0].config
@@ -75,7 +77,26 @@ class VirtualPipelineTrainer:
         config.finalize_model_grads_func = finalize_model_grads
         if overlap_grad_reduce:
             config.grad_sync_func = [d.start_grad_sync for d in self.ddps]
+        if gather:  # Megatron-LM with align_param_gather: the schedule launches each chunk's gather
+            config.param_sync_func = [d.start_param_sync for d in self.ddps]
+        self.optimizer = self._optimizer() if distributed_optimizer else None
+        if self.optimizer is not None:
+            config.grad_scale_func = self.optimizer.scale_loss
         self.start = self.state()
+
+    def _optimizer(self):
+        """Megatron's distributed optimizer (Adam, clipping) over the chunks; made for one run."""
+        import os
+
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from .cpu_shims import CPUDevices, optimizer_shims
+
+        optimizer_shims()
+        opt = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, params_dtype=torch.float32,
+                              use_distributed_optimizer=True, clip_grad=1.0)
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), CPUDevices():
+            return get_megatron_optimizer(opt, self.ddps)
 
     def params(self) -> list:
         return [p for d in self.ddps for p in d.module.parameters()]
@@ -96,6 +117,8 @@ class VirtualPipelineTrainer:
         tiny_gpt.init_parallel(self.setup.tp, pp=self.setup.pp)
         for d in self.ddps:
             d.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
 
         def forward_step(data_iterator, model):
             tokens, labels, position_ids, mask = next(data_iterator)
@@ -110,9 +133,12 @@ class VirtualPipelineTrainer:
         self.last_data = data
         if on_grads is not None:
             on_grads([p.main_grad.detach().clone() for p in self.params()])
-        with torch.no_grad():
-            for p in self.params():
-                p.add_(p.main_grad, alpha=-lr)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        else:
+            with torch.no_grad():
+                for p in self.params():
+                    p.add_(p.main_grad, alpha=-lr)
         loss = torch.zeros(())
         if parallel_state.is_pipeline_last_stage():
             loss = torch.stack([d["loss"] for d in data]).mean()
