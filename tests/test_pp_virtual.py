@@ -175,7 +175,7 @@ def test_bad_virtual_pipelines_are_refused_with_the_reason():
         build("megatron", 2, 4, chunks=2, group=5)
 
 
-def test_plan_ranks_stock_interleaved_and_ours_with_memory_and_never_recommends_a_schedule_only_row():
+def test_plan_ranks_stock_interleaved_and_ours_with_memory_and_never_recommends_zbv():
     from megatron_overlap.tune.hardware import get_hardware
     from megatron_overlap.tune.models import RunSpec, get_model
     from megatron_overlap.tune.planner import format_plan, make_plan
@@ -189,6 +189,8 @@ def test_plan_ranks_stock_interleaved_and_ours_with_memory_and_never_recommends_
                   "zb interleaved v=2", "zbv (ZB-V)"):
         assert label in rows
     assert rows["stock Megatron interleaved v=2"].flags == "--num-layers-per-virtual-pipeline-stage 10"
+    assert rows["zb interleaved v=2"].flags == "--overlap-pp zb --num-layers-per-virtual-pipeline-stage 10"
+    assert rows["zbv (ZB-V)"].flags == SCHEDULE_ONLY
     # memory per stage: ZB-V at 1F1B's, interleaved above it (Megatron's warm-up holds more)
     assert rows["zbv (ZB-V)"].peak_activation_gb == pytest.approx(rows["stock Megatron 1F1B"].peak_activation_gb)
     assert rows["stock Megatron interleaved v=2"].peak_activation_gb > rows["stock Megatron 1F1B"].peak_activation_gb

@@ -7,9 +7,8 @@ and holds ``1 / v`` of its activations; every hop between stages carries one act
 interleaved schedule has ``v p - 1`` hops per micro-batch, ZB-V ``2 p - 2``: its turn stays on
 the last stage); stock interleaved's transfers overlapped as its ``overlap_p2p_comm`` does
 (posted early, waited late); the data-parallel sync priced per stage as for the
-non-interleaved schedules (Megatron's per-chunk buckets are not modelled). Our virtual-pipeline
-schedules exist as data only: the executor that runs them is not built, so they are listed as
-"schedule only" and never recommended.
+non-interleaved schedules (Megatron's per-chunk buckets are not modelled). ZB-V exists as a
+schedule only (its layer placement is not built): listed as "schedule only", never recommended.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ VIRTUAL = (
     ("zb interleaved v=2", "zb", 2),
     ("zbv (ZB-V)", "zbv", 2),
 )
-SCHEDULE_ONLY = "(schedule only: no executor for virtual pipelines yet)"
+SCHEDULE_ONLY = "(schedule only: ZB-V's layer placement is not built)"
 
 
 def simulate_virtual(model, run, hw, strategy: Strategy = Strategy("megatron"),
@@ -48,8 +47,8 @@ def simulate_virtual(model, run, hw, strategy: Strategy = Strategy("megatron"),
         on_link = simulate_pipeline(schedule, costs.times, link, dp)
         no_dp = simulate_pipeline(schedule, costs.times, link)
         alone = simulate_pipeline(schedule, costs.times, free)
-        flags = (f"--num-layers-per-virtual-pipeline-stage {model.layers // (p * v)}" if kind == "megatron"
-                 else SCHEDULE_ONLY)
+        layers = f"--num-layers-per-virtual-pipeline-stage {model.layers // (p * v)}"
+        flags = layers if kind == "megatron" else SCHEDULE_ONLY if kind == "zbv" else f"--overlap-pp {kind} {layers}"
         out.append(ScheduleResult(label, flags, on_link.step_ms, alone.bubble, no_dp.step_ms - alone.step_ms,
                                   on_link.step_ms - no_dp.step_ms,
                                   max(schedule.memory_bound) * costs.activation_bytes / 1e9))
