@@ -214,3 +214,53 @@ def test_auto_on_a_virtual_pipeline_is_refused_saying_why():
     assert "virtual pipeline" in text and "1f1b or zb" in text and "`plan`" in text
     for mode in ("1f1b", "zb"):
         check_pp_model(PPConfig(mode=mode), TPConfig(), ctx)
+
+
+def test_zbv_patches_megatrons_placement_and_restores_it_exactly():
+    """While `--overlap-pp zbv` is installed Megatron's layer offset and last-stage predicate are
+    the V's; uninstall puts back the very same functions."""
+    import megatron_overlap
+    from megatron.core import parallel_state
+    from megatron.core.transformer import transformer_block, transformer_layer
+
+    from megatron_overlap.config import OverlapConfig, PPConfig
+    from megatron_overlap.integration.vplacement import v_offset
+
+    before = (transformer_layer.get_transformer_layer_offset, transformer_block.get_transformer_layer_offset,
+              parallel_state.is_pipeline_last_stage, parallel_state.is_pipeline_first_stage)
+    megatron_overlap.install(OverlapConfig(pp=PPConfig(mode="zbv")))
+    try:
+        assert transformer_layer.get_transformer_layer_offset is not before[0]
+        assert transformer_block.get_transformer_layer_offset is transformer_layer.get_transformer_layer_offset
+        assert parallel_state.is_pipeline_last_stage is not before[2]
+        assert parallel_state.is_pipeline_first_stage is before[3]  # the V starts where Megatron's does
+    finally:
+        megatron_overlap.uninstall()
+    assert (transformer_layer.get_transformer_layer_offset, transformer_block.get_transformer_layer_offset,
+            parallel_state.is_pipeline_last_stage, parallel_state.is_pipeline_first_stage) == before
+    cfg = type("C", (), dict(pipeline_model_parallel_size=4, num_layers=16))()
+    assert [v_offset(cfg, c, s) for s in range(4) for c in (0, 1)] == [0, 14, 2, 12, 4, 10, 6, 8]
+
+
+def test_zbv_bad_input_is_refused_with_the_reason():
+    from megatron_overlap.config import ModelContext, PPConfig, TPConfig
+    from megatron_overlap.integration.vplacement import check_config, check_version
+    from megatron_overlap.pp.checks import check_pp_model
+
+    zbv = PPConfig(mode="zbv")
+    with pytest.raises(OverlapConfigError, match="exactly 2 model chunks on each stage.*has 4 per stage"):
+        check_pp_model(zbv, TPConfig(), ModelContext(pp_size=4, virtual_pp_size=4))
+    with pytest.raises(OverlapConfigError, match="no virtual pipeline"):
+        check_pp_model(zbv, TPConfig(), ModelContext(pp_size=4))
+    with pytest.raises(OverlapConfigError, match="tied ones would have to be one parameter"):
+        check_pp_model(zbv, TPConfig(), ModelContext(pp_size=4, virtual_pp_size=2, tied_embeddings=True))
+    with pytest.raises(OverlapConfigError, match="megatron-core 0.16.x; this is 0.17.0.*use --overlap-pp zb"):
+        check_version((0, 17, 0))
+    check_version((0, 16, 1))
+    cfg = dict(pipeline_model_parallel_size=4, num_layers=12, pipeline_model_parallel_layout=None,
+               num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
+               account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False)
+    with pytest.raises(OverlapConfigError, match="12 layers into 2 x 4 equal chunks.*not a multiple of 8"):
+        check_config(type("C", (), cfg)())
+    with pytest.raises(OverlapConfigError, match="custom pipeline layout or first/last"):
+        check_config(type("C", (), dict(cfg, num_layers=16, num_layers_in_first_pipeline_stage=2))())

@@ -61,6 +61,11 @@ def patch(inst) -> None:
             return interleaved  # virtual pipelines: integration/vschedules.py
         return executor if func is stock else func
 
+    if inst.config.pp.mode == "zbv":  # ZB-V's layer placement (integration/vplacement.py)
+        from . import compat, vplacement
+
+        vplacement.check_version(compat.check_megatron_version())
+        vplacement.patch(inst)
     for module in (schedules, pipeline_parallel, sys.modules.get("megatron.training.training")):
         if module is not None and getattr(module, _NAME, None) is original:
             inst.set_attr(module, _NAME, get_forward_backward_func)

@@ -87,6 +87,14 @@ class _VRun(_Run):
                                    self.inst.pp_times)
         self.store = self.inst.wgrad if self.schedule.split else None
         self.drain, self.last_b, self.trailing_w = "", None, frozenset()
+        vs = self.schedule.virtual_stages
+        self.loss_chunk = vs[-1][1] if vs[-1][0] == self.stage else None  # the model's last layer is here
+        self.last = self.loss_chunk is not None
+        self.handover = {}  # chunk -> the chunk of this stage its output goes to (ZB-V's turn)
+        for j in range(len(vs) - 1):
+            if vs[j][0] == vs[j + 1][0] == self.stage:
+                self.handover[vs[j][1]] = vs[j + 1][1]
+        self.handed_from = {b: a for a, b in self.handover.items()}
 
     def execute(self, force_all_reduce):
         config, schedules = self.config, self.schedules
@@ -187,9 +195,13 @@ class _VRun(_Run):
             cp_group_size=self.cp_group.size(), collect_non_loss_data=self.collect_non_loss_data,
             checkpoint_activations_microbatch=None,
             is_first_microbatch=s.check_first_val_step(self.first_val_step, self.forward_only, mb == 0),
-            current_microbatch=mb, vp_stage=c, is_last_stage=self.last and c == self.v - 1)
+            current_microbatch=mb, vp_stage=c, is_last_stage=c == self.loss_chunk)
         self.total_tokens += tokens
         self.outputs[key] = output
+        if c in self.handover and not self.forward_only:  # to the next chunk on this stage, as a receive would
+            self.inputs[(self.handover[c], mb)] = output[0].detach().requires_grad_(True)
+        elif c in self.handover:
+            self.inputs[(self.handover[c], mb)] = output[0].detach()
         if self.forward_only:
             self.inputs.pop(key, None)
         else:
@@ -203,7 +215,11 @@ class _VRun(_Run):
         hold = contextlib.nullcontext() if self.store is None else self.store.hold_for(key)
         with hold:
             grad = self.schedules.backward_step(*args, self.config)
-        self.in_grads[key] = grad[0] if isinstance(grad, list) else grad
+        grad = grad[0] if isinstance(grad, list) else grad
+        if c in self.handed_from:  # the turn: this chunk's input gradient is the previous chunk's output gradient
+            self.out_grads[(self.handed_from[c], mb)] = grad
+        else:
+            self.in_grads[key] = grad
 
     def _post(self, comms):
         ops = []

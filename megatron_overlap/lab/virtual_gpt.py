@@ -140,7 +140,9 @@ class VirtualPipelineTrainer:
                 for p in self.params():
                     p.add_(p.main_grad, alpha=-lr)
         loss = torch.zeros(())
-        if parallel_state.is_pipeline_last_stage():
+        with virtual_pipeline(self.v):  # the stage with the loss (ZB-V's: stage 0)
+            last = parallel_state.is_pipeline_last_stage()
+        if last:
             loss = torch.stack([d["loss"] for d in data]).mean()
         dist.all_reduce(loss, group=parallel_state.get_pipeline_model_parallel_group())
         dp = parallel_state.get_data_parallel_group()

@@ -21,15 +21,17 @@ def check_pp_model(pp, tp, ctx) -> None:
             "(`megatron.num_layers_per_virtual_pipeline_stage` / `megatron.virtual_pipeline_model_parallel_size`): "
             "choose `pp.mode` 1f1b or zb (Megatron's interleaved placement), or drop `pp.mode` to run Megatron's "
             "interleaved schedule (`plan` compares them)")
+    if pp.mode == "zbv":
+        check_zbv_model(ctx)
     for name in ctx.megatron_pp_flags:
         raise OverlapConfigError(
             f"megatron.{name}", f"changes Megatron's pipeline schedule, which `pp.mode` {pp.mode} replaces: "
             "choose one of the two")
-    if pp.mode in ("zb", "auto"):
+    if pp.mode in ("zb", "zbv", "auto"):
         reason = split_unavailable(tp, ctx)
-        if reason and pp.mode == "zb":
-            raise OverlapConfigError("pp.mode", f"zb splits each backward into B and W, which needs {reason}; use "
-                                     "`pp.mode` 1f1b (no split) instead")
+        if reason and pp.mode != "auto":
+            raise OverlapConfigError("pp.mode", f"{pp.mode} splits each backward into B and W, which needs {reason}; "
+                                     "use `pp.mode` 1f1b (no split) instead")
     if pp.max_inflight is not None and ctx.pp_size is not None and pp.max_inflight < ctx.pp_size:
         raise OverlapConfigError(
             "pp.max_inflight", f"is {pp.max_inflight}, below the {ctx.pp_size} pipeline stages: the first stage "
@@ -69,3 +71,18 @@ def resolve_auto(pp, tp, ctx, notice, predicted=None):
     notice(f"`pp.mode` auto: {mode}" + (f" (no B/W split: it needs {reason.split(':')[0]})" if reason else
                                          " (B/W split, ZB-H1: 1F1B's peak activation memory)"))
     return pp.replace(mode=mode)
+
+
+def check_zbv_model(ctx) -> None:
+    """ZB-V needs a virtual pipeline of exactly 2 chunks per stage, untied embeddings."""
+    if ctx.virtual_pp_size is None and ctx.pp_size is not None:  # known from Megatron's arguments
+        raise OverlapConfigError("pp.mode", "zbv places 2 model chunks on each stage (a V); this run has no virtual "
+                                 "pipeline: set `megatron.virtual_pipeline_model_parallel_size` 2, or use `pp.mode` zb")
+    if isinstance(ctx.virtual_pp_size, int) and ctx.virtual_pp_size != 2:
+        from .chunk_build import check_chunks
+
+        check_chunks("zbv", ctx.virtual_pp_size)
+    if ctx.tied_embeddings:
+        raise OverlapConfigError("pp.mode", "zbv puts the embedding and the output layer in two chunks of stage 0; "
+                                 "tied ones would have to be one parameter there, which is not built: add "
+                                 "`megatron.untie_embeddings_and_output_weights`, or use `pp.mode` zb")
