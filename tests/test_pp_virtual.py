@@ -175,12 +175,11 @@ def test_bad_virtual_pipelines_are_refused_with_the_reason():
         build("megatron", 2, 4, chunks=2, group=5)
 
 
-def test_plan_ranks_stock_interleaved_and_ours_with_memory_and_never_recommends_zbv():
+def test_plan_ranks_stock_interleaved_and_ours_with_memory_per_stage():
     from megatron_overlap.tune.hardware import get_hardware
     from megatron_overlap.tune.models import RunSpec, get_model
     from megatron_overlap.tune.planner import format_plan, make_plan
     from megatron_overlap.tune.published import published_rows
-    from megatron_overlap.tune.virtual import SCHEDULE_ONLY
 
     plan = make_plan(get_model("llama3-70b"), RunSpec(tp=8, pp=4, dp=2, seq=8192, micro_batch=1, micro_batches=16,
                                                       phase="train"), get_hardware("h100-sxm"))
@@ -190,13 +189,13 @@ def test_plan_ranks_stock_interleaved_and_ours_with_memory_and_never_recommends_
         assert label in rows
     assert rows["stock Megatron interleaved v=2"].flags == "--num-layers-per-virtual-pipeline-stage 10"
     assert rows["zb interleaved v=2"].flags == "--overlap-pp zb --num-layers-per-virtual-pipeline-stage 10"
-    assert rows["zbv (ZB-V)"].flags == SCHEDULE_ONLY
+    assert rows["zbv (ZB-V)"].flags == "--overlap-pp zbv --num-layers-per-virtual-pipeline-stage 10"
     # memory per stage: ZB-V at 1F1B's, interleaved above it (Megatron's warm-up holds more)
     assert rows["zbv (ZB-V)"].peak_activation_gb == pytest.approx(rows["stock Megatron 1F1B"].peak_activation_gb)
     assert rows["stock Megatron interleaved v=2"].peak_activation_gb > rows["stock Megatron 1F1B"].peak_activation_gb
     text = format_plan(plan)
     best = text.splitlines()[-1]
-    assert best.startswith("best schedule:") and SCHEDULE_ONLY not in best
+    assert best.startswith("best schedule: zb interleaved v=2") and "--overlap-pp zb" in best
     virtual = [r for r in published_rows() if r["system"] in ("ZB-V", "Megatron-LM interleaved 1F1B")]
     assert len(virtual) == 3 and all(r["error"] is None or abs(r["error"]) < 0.05 for r in virtual)
 

@@ -129,9 +129,7 @@ def format_plan(plan: Plan) -> str:
     if plan.pipeline:
         from .pipeline import format_schedules
 
-        from .virtual import SCHEDULE_ONLY
-
-        best = min((r for r in plan.pipeline if r.flags != SCHEDULE_ONLY), key=lambda r: r.step_ms)
+        best = min(plan.pipeline, key=lambda r: r.step_ms)
         lines += ["", f"with {plan.best.name} inside each stage, " + format_schedules(plan.pipeline),
                   f"best schedule: {best.label} ({plan.pipeline[0].step_ms / best.step_ms:.2f}x stock 1F1B)  ->  "
                   f"{best.flags or '(stock)'}"]

@@ -7,8 +7,7 @@ and holds ``1 / v`` of its activations; every hop between stages carries one act
 interleaved schedule has ``v p - 1`` hops per micro-batch, ZB-V ``2 p - 2``: its turn stays on
 the last stage); stock interleaved's transfers overlapped as its ``overlap_p2p_comm`` does
 (posted early, waited late); the data-parallel sync priced per stage as for the
-non-interleaved schedules (Megatron's per-chunk buckets are not modelled). ZB-V exists as a
-schedule only (its layer placement is not built): listed as "schedule only", never recommended.
+non-interleaved schedules (Megatron's per-chunk buckets are not modelled).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ VIRTUAL = (
     ("zb interleaved v=2", "zb", 2),
     ("zbv (ZB-V)", "zbv", 2),
 )
-SCHEDULE_ONLY = "(schedule only: ZB-V's layer placement is not built)"
 
 
 def simulate_virtual(model, run, hw, strategy: Strategy = Strategy("megatron"),
@@ -48,7 +46,7 @@ def simulate_virtual(model, run, hw, strategy: Strategy = Strategy("megatron"),
         no_dp = simulate_pipeline(schedule, costs.times, link)
         alone = simulate_pipeline(schedule, costs.times, free)
         layers = f"--num-layers-per-virtual-pipeline-stage {model.layers // (p * v)}"
-        flags = layers if kind == "megatron" else SCHEDULE_ONLY if kind == "zbv" else f"--overlap-pp {kind} {layers}"
+        flags = layers if kind == "megatron" else f"--overlap-pp {kind} {layers}"
         out.append(ScheduleResult(label, flags, on_link.step_ms, alone.bubble, no_dp.step_ms - alone.step_ms,
                                   on_link.step_ms - no_dp.step_ms,
                                   max(schedule.memory_bound) * costs.activation_bytes / 1e9))
