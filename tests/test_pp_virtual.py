@@ -200,21 +200,6 @@ def test_plan_ranks_stock_interleaved_and_ours_with_memory_per_stage():
     assert len(virtual) == 3 and all(r["error"] is None or abs(r["error"]) < 0.05 for r in virtual)
 
 
-def test_auto_on_a_virtual_pipeline_is_refused_saying_why():
-    """`auto` chooses among non-interleaved schedules: on a virtual pipeline it is refused, naming
-    Megatron's flag, the modes that run there and `plan`; 1f1b and zb pass."""
-    from megatron_overlap.config import ModelContext, PPConfig, TPConfig
-    from megatron_overlap.pp.checks import check_pp_model
-
-    ctx = ModelContext(pp_size=4, virtual_pp_size=2)
-    with pytest.raises(OverlapConfigError) as err:
-        check_pp_model(PPConfig(mode="auto"), TPConfig(), ctx)
-    text = str(err.value)
-    assert "virtual pipeline" in text and "1f1b or zb" in text and "`plan`" in text
-    for mode in ("1f1b", "zb"):
-        check_pp_model(PPConfig(mode=mode), TPConfig(), ctx)
-
-
 def test_zbv_patches_megatrons_placement_and_restores_it_exactly():
     """While `--overlap-pp zbv` is installed Megatron's layer offset and last-stage predicate are
     the V's; uninstall puts back the very same functions."""
@@ -263,3 +248,36 @@ def test_zbv_bad_input_is_refused_with_the_reason():
         check_config(type("C", (), cfg)())
     with pytest.raises(OverlapConfigError, match="custom pipeline layout or first/last"):
         check_config(type("C", (), dict(cfg, num_layers=16, num_layers_in_first_pipeline_stage=2))())
+
+
+def test_auto_on_a_virtual_pipeline_picks_from_the_cost_model_stock_interleaved_included():
+    """``--overlap-pp auto`` with a virtual pipeline (Llama-3-70B's shape on H100, TP=8 x PP=4 x
+    DP=2, v=2, 16 micro-batches): the cost model's stock interleaved, interleaved zb and ZB-V; the
+    fastest runs, said with its predicted gain; where stock interleaved is predicted fastest it
+    runs and the notice says none of ours wins; ZB-V only at 2 chunks; without a prediction zb."""
+    import argparse
+
+    from megatron_overlap.config import ModelContext, PPConfig, TPConfig
+    from megatron_overlap.pp.checks import resolve_auto
+    from megatron_overlap.tune.auto import predicted_pp_choice
+
+    args = argparse.Namespace(
+        hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64, num_query_groups=8, group_query_attention=True,
+        num_layers=80, seq_length=8192, swiglu=True, padded_vocab_size=128256, tensor_model_parallel_size=8,
+        pipeline_model_parallel_size=4, context_parallel_size=1, micro_batch_size=1, global_batch_size=32,
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
+        num_layers_per_virtual_pipeline_stage=10)
+    got = predicted_pp_choice(args, "NVIDIA H100 80GB HBM3", world_size=64)
+    virtual = got["virtual"]
+    assert virtual["chunks"] == 2 and set(virtual["steps_ms"]) == {"off", "zb", "zbv"}
+    ctx, tp, notes = ModelContext(pp_size=4, virtual_pp_size=2, tp_size=8), TPConfig(mode="p2p"), []
+    picked = resolve_auto(PPConfig(mode="auto"), tp, ctx, notes.append, got)
+    best = min(virtual["steps_ms"], key=virtual["steps_ms"].get)
+    assert picked.mode == best != "off" and "over stock interleaved" in notes[-1]
+    slow = dict(got, virtual=dict(virtual, steps_ms={"off": 1.0, "zb": 1.2, "zbv": 1.1}))
+    assert resolve_auto(PPConfig(mode="auto"), tp, ctx, notes.append, slow).mode == "off"
+    assert "Megatron's interleaved schedule runs" in notes[-1] and "none of ours is predicted faster" in notes[-1]
+    four = dict(got, virtual=dict(virtual, chunks=4, steps_ms={"off": 1.0, "zb": 0.9, "zbv": 0.5}))
+    assert resolve_auto(PPConfig(mode="auto"), tp, ModelContext(pp_size=4, virtual_pp_size=4), notes.append,
+                        four).mode == "zb"
+    assert resolve_auto(PPConfig(mode="auto"), tp, ctx, notes.append).mode == "zb"

@@ -47,6 +47,8 @@ def patch(inst) -> None:
     from megatron.core import pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
 
+    if inst.config.pp.mode == "off":  # `auto` chose Megatron's own (interleaved) schedule
+        return
     original = schedules.__dict__[_NAME]
     stock = schedules.forward_backward_pipelining_without_interleaving
     executor = make_executor(inst)

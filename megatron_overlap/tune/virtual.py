@@ -26,7 +26,7 @@ VIRTUAL = (
 
 
 def simulate_virtual(model, run, hw, strategy: Strategy = Strategy("megatron"),
-                     dp_options: DPOptions = DPOptions()) -> list:
+                     dp_options: DPOptions = DPOptions(), chunks=(2, 4)) -> list:
     """The rows of ``VIRTUAL`` that this model and layout can run (layers divisible into the
     chunks, micro-batches as Megatron's interleaved schedule requires)."""
     costs = stage_costs(model, run, hw, strategy, dp_options)
@@ -35,7 +35,7 @@ def simulate_virtual(model, run, hw, strategy: Strategy = Strategy("megatron"),
     own = tuple(sum(getattr(t, x) for t in costs.times) / p for x in ("f", "b", "w"))
     out = []
     for label, kind, v in VIRTUAL:
-        if model.layers % (p * v) or p < 2:
+        if model.layers % (p * v) or p < 2 or v not in chunks:
             continue
         try:
             schedule = build(kind, p, m, chunks=v, times=own)
