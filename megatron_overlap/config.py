@@ -194,7 +194,8 @@ class PPConfig(_Section):
 
     mode: str = "off"
     """``off`` (Megatron's 1F1B), ``1f1b`` (same order, transfers asynchronous), ``zb`` (backward
-    split into B and W, ZB-H1), ``auto`` (``zb`` where W can be deferred, else ``1f1b``)."""
+    split into B and W, ZB-H1), ``zbv`` (ZB-V: two model chunks per stage in a V, split),
+    ``auto`` (``zb`` where W can be deferred, else ``1f1b``)."""
 
     max_inflight: Optional[int] = None
     """Micro-batches the first stage forwards before its first backward (None: the PP size)."""
@@ -227,7 +228,7 @@ class PPConfig(_Section):
     @property
     def split(self) -> bool:
         """Whether the backward is split into B and W (``auto`` is resolved at install)."""
-        return self.mode == "zb"
+        return self.mode in ("zb", "zbv")
 
     def flags(self) -> list:
         if not self.enabled:

@@ -27,6 +27,7 @@ class ModelContext:
     pp_size: Optional[int] = None
     virtual_pp_size: Optional[int] = None
     megatron_pp_flags: tuple = ()  # Megatron's own pipeline-overlap flags that are on
+    tied_embeddings: bool = False  # Megatron-LM ties them unless --untie-embeddings-and-output-weights
     documents: Optional[bool] = None  # the GPT dataset marks documents (reset attention mask and positions)
     overlap_grad_reduce: bool = False  # Megatron DDP's
     position_embedding: Optional[str] = None
@@ -59,6 +60,7 @@ class ModelContext:
             virtual_pp_size=get("virtual_pipeline_model_parallel_size") or (
                 "set" if get("num_layers_per_virtual_pipeline_stage") else None),
             megatron_pp_flags=tuple(name for name in MEGATRON_PP_FLAGS if get(name)),
+            tied_embeddings=get("untie_embeddings_and_output_weights") is False,
             documents=None if get("reset_attention_mask") is None else bool(
                 get("reset_attention_mask") and get("reset_position_ids")),
             overlap_grad_reduce=bool(get("overlap_grad_reduce")),

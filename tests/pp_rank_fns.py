@@ -120,3 +120,158 @@ def pp_runs_distopt(runs: list, steps: int) -> dict:
     finally:
         megatron_overlap.uninstall()
     return out
+
+
+_VTRAINERS: dict = {}
+
+
+def vpp_runs(pp: int, v: int, overlap_grad_reduce: bool, runs: list, steps: int) -> dict:
+    """Virtual pipelines (issue 23): for each (mode, microbatches) in ``runs`` on the tiny GPT
+    with ``v`` chunks per stage: ``steps`` losses from the same start and every parameter's
+    gradient after the first step (this rank's chunks, in order)."""
+    import dataclasses
+
+    import megatron_overlap
+    from megatron_overlap.lab.pipeline_gpt import PipelineGPT
+    from megatron_overlap.lab.tiny_gpt import TinyGPT
+    from megatron_overlap.lab.virtual_gpt import VirtualPipelineTrainer
+
+    key = (pp, v, overlap_grad_reduce)
+    if key not in _VTRAINERS:
+        spec = TinyGPT(num_layers=2 * pp * v, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=256, seq=32,
+                       micro_batch=2)
+        _VTRAINERS[key] = VirtualPipelineTrainer(PipelineGPT(spec=spec, pp=pp), v, overlap_grad_reduce)
+    trainer = _VTRAINERS[key]
+    base, out = trainer.setup, {}
+    try:
+        for mode, m in runs:
+            trainer.setup = dataclasses.replace(base, microbatches=m)
+            inst = _install(mode, None, 1)
+            trainer.reset()
+            grads, losses = [], []
+            for step in range(steps):
+                losses.append(trainer.step(step, on_grads=grads.append if step == 0 else None))
+            out[f"{mode}/{m}"] = {"losses": losses, "grads": grads[0],
+                                  "calls": dict(inst.calls) if inst is not None else {},
+                                  "ran": inst.wgrad.ran if inst is not None and inst.wgrad is not None else 0}
+    finally:
+        trainer.setup = base
+        megatron_overlap.uninstall()
+    return out
+
+
+def vpp_runs_distopt(pp: int, v: int, runs: list, steps: int) -> dict:
+    """``vpp_runs`` with Megatron's distributed optimizer, DDP overlap_grad_reduce and
+    overlap_param_gather (aligned: the schedule launches each chunk's gather); a fresh trainer
+    per run, the same start; every parameter after the last step too."""
+    import dataclasses
+
+    import megatron_overlap
+    from megatron_overlap.lab.pipeline_gpt import PipelineGPT
+    from megatron_overlap.lab.tiny_gpt import TinyGPT
+    from megatron_overlap.lab.virtual_gpt import VirtualPipelineTrainer
+
+    spec = TinyGPT(num_layers=2 * pp * v, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=256, seq=32, micro_batch=2)
+    out = {}
+    try:
+        for mode, m in runs:
+            trainer = VirtualPipelineTrainer(PipelineGPT(spec=spec, pp=pp, microbatches=m), v, True,
+                                             distributed_optimizer=True)
+            inst = _install(mode, None, 1)
+            grads, losses = [], []
+            for step in range(steps):
+                losses.append(trainer.step(step, on_grads=grads.append if step == 0 else None))
+            out[f"{mode}/{m}"] = {"losses": losses, "grads": grads[0], "params": trainer.state(),
+                                  "calls": dict(inst.calls) if inst is not None else {}}
+            megatron_overlap.uninstall()
+    finally:
+        megatron_overlap.uninstall()
+    return out
+
+
+def _v_names(trainer) -> list:
+    """Every parameter of the chunks named as in the whole model (global layer numbers)."""
+    names = []
+    for ddp in trainer.ddps:
+        layers = ddp.module.decoder.layers
+        for name, _ in ddp.module.named_parameters():
+            if name.startswith("decoder.layers."):
+                _d, _l, i, rest = name.split(".", 3)
+                name = f"decoder.layers.{layers[int(i)].layer_number - 1}.{rest}"
+            names.append(name)
+    return names
+
+
+def _layer_offsets(trainer) -> dict:
+    """Distributed checkpointing's view of each chunk: the layer each decoder tensor is saved at
+    (its global offset on the stacked layer axis) and the keys."""
+    from megatron_overlap.lab.virtual_gpt import virtual_pipeline
+
+    out = {"layers": [], "keys": set()}
+    with virtual_pipeline(trainer.v):
+        for ddp in trainer.ddps:
+            layers = set()
+            for key, sh in ddp.module.sharded_state_dict().items():
+                if key.startswith("decoder.layers.") and hasattr(sh, "global_offset"):
+                    layers.add(sh.global_offset[0])
+                    out["keys"].add(sh.key)
+            out["layers"].append(sorted(layers))
+    out["keys"] = sorted(out["keys"])
+    return out
+
+
+def zbv_vs_one_stage(m: int) -> dict:
+    """``--overlap-pp zbv`` on the tiny GPT at PP=2 x VPP=2 (the V) against the same model run as
+    one stage (same layers, same initial weights, the same micro-batches of every replica):
+    step 0's loss, and every gradient (this rank's chunks) against the one-stage model's
+    averaged over the replicas as DDP averages them."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import megatron_overlap
+    from megatron_overlap.lab import tiny_gpt
+    from megatron_overlap.lab.pipeline_gpt import PipelineGPT
+    from megatron_overlap.lab.virtual_gpt import VirtualPipelineTrainer
+
+    spec = tiny_gpt.TinyGPT(num_layers=8, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=256, seq=32, micro_batch=2)
+    try:
+        inst = _install("zbv", None, 1)
+        tiny_gpt.init_parallel(1, pp=2)
+        trainer = VirtualPipelineTrainer(PipelineGPT(spec=spec, pp=2, microbatches=m), 2, False)  # built in the V
+        grads = []
+        loss = trainer.step(0, on_grads=grads.append)
+        mine = dict(zip(_v_names(trainer), zip(trainer.start, grads[0])))
+        ckpt = _layer_offsets(trainer)
+        dp = parallel_state.get_data_parallel_world_size()
+        real = parallel_state.get_data_parallel_rank
+        data = {}
+        for r in range(dp):  # every replica's micro-batches, as batch() draws them for its data-parallel rank
+            parallel_state.get_data_parallel_rank = lambda *a, r=r, **k: r
+            data[r] = [tiny_gpt.batch(spec, i) for i in range(m)]
+        parallel_state.get_data_parallel_rank = real
+        stages = [None] * parallel_state.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(stages, {n: w for n, (w, _g) in mine.items()},
+                               group=parallel_state.get_pipeline_model_parallel_group())
+        calls = dict(inst.calls)
+        megatron_overlap.uninstall()
+        full = {n: w for part in stages for n, w in part.items()}
+        tiny_gpt.init_parallel(1, pp=1)
+        ref = tiny_gpt.build(spec, 1)
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                p.copy_(full[n])
+        losses = []
+        for r in range(dp):
+            for tokens, labels, position_ids, mask in data[r]:
+                out = ref(tokens, position_ids, mask, labels=labels).float().mean()
+                (out / (m * dp)).backward()
+                losses.append(out.item())
+        ref_grads = dict(ref.named_parameters())
+        worst = max(rel(g, ref_grads[n].grad) for n, (_w, g) in mine.items())
+        tiny_gpt.init_parallel(1, pp=2)
+        stock = _layer_offsets(VirtualPipelineTrainer(PipelineGPT(spec=spec, pp=2, microbatches=m), 2, False))
+        return {"loss": loss, "ref_loss": sum(losses) / len(losses), "worst": worst, "calls": calls,
+                "names": sorted(mine), "checkpoint": ckpt, "stock_checkpoint": stock}
+    finally:
+        megatron_overlap.uninstall()
+        tiny_gpt.init_parallel(1, pp=2)

@@ -43,12 +43,12 @@ def test_check_reports_versions_and_backends():
     assert info["backends"]["p2p"]["usable"] and info["gloo"]
     assert set(info["backends"]) == {"off", "p2p", "symm-mem", "fused", "auto"}
     assert not info["backends"]["symm-mem"]["usable"]  # no CUDA on the test machines
-    assert set(info["pipeline schedules"]) == {"off", "1f1b", "zb", "auto"}
+    assert set(info["pipeline schedules"]) == {"off", "1f1b", "zb", "zbv", "auto"}
     assert all(e["usable"] for e in info["pipeline schedules"].values())
     assert "CP-SAT from ortools 9." in info["pipeline floor"]  # a test dependency
     text = cli("check").stdout
     assert "--overlap-tp backends" in text and "p2p" in text
-    assert "--overlap-pp schedules" in text and "interleaved (virtual) pipelines are refused" in text
+    assert "--overlap-pp schedules" in text and "virtual pipelines: 1f1b, zb, zbv" in text
 
 
 # A stand-in for Megatron-LM's megatron/training with the two ways pretrain_gpt.py reaches

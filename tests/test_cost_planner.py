@@ -139,7 +139,10 @@ def test_pipeline_schedules_in_the_plan():
     assert two.flags == "--overlap-pp 1f1b --overlap-pp-max-inflight 15" and zb.flags == "--overlap-pp zb"
     plan = make_plan(model, run, hw, [Strategy("megatron")])
     text = format_plan(plan)
-    assert "pipeline schedules (simulated" in text and "best schedule: zb (ZB-H1)" in text
+    # with virtual pipelines (issue 23): stock interleaved v=2 edges out ZB-H1 here, interleaved zb beats both
+    assert "pipeline schedules (simulated" in text and "best schedule: zb interleaved v=2" in text
+    assert rows["zb (ZB-H1)"].step_ms > [r for r in plan.pipeline if r.label == "zb interleaved v=2"][0].step_ms
+    assert rows["zb (ZB-H1)"].step_ms < rows["1f1b (async P2P)"].step_ms
     assert plan_json(plan)["pipeline"][0]["label"] == "stock Megatron 1F1B"
     with pytest.raises(ValueError, match="PP >= 2"):
         stage_costs(model, RunSpec(tp=8, seq=8192), hw)

@@ -34,7 +34,7 @@ VALUES = {
                               ",".join(str(i) for i in range(80)), "-1", "3" * 300],
     "--overlap-cp": ["off", "ring", "a2a", "hybrid", "zigzag"],
     "--hdp-mode": ["dp", "pp", "tp"],
-    "--overlap-pp": ["off", "1f1b", "zb", "auto", "gpipe"],
+    "--overlap-pp": ["off", "1f1b", "zb", "zbv", "auto", "gpipe"],
     "--overlap-pp-memory-budget": ["8", "0.5", "1e-9", "1e7", "inf", "nan", "-3", "x"],
     "--overlap-timeout-s": ["2", "0.001", "599", "600", "86401", "inf", "nan", "0", "-1", "x"],
 }

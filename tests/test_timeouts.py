@@ -11,7 +11,7 @@ import time
 import torch.multiprocessing as mp
 
 TIMEOUT_S = 3
-CASES = ("ag", "rs", "cp_ring", "cp_a2a", "hdp_exchange", "link", "pp_p2p", "pp_dp_sync")
+CASES = ("ag", "rs", "cp_ring", "cp_a2a", "hdp_exchange", "link", "pp_p2p", "pp_dp_sync", "pp_vpp_p2p")
 WORLD = {"pp_dp_sync": 4}  # PP=2 x DP=2; the others run on 2 ranks
 # (silent rank, the rank that reports): pp_dp_sync's rank 3 is stage 1 of replica 1, so rank 2
 # (stage 1 of replica 0) meets it only in the data-parallel gradient sync
@@ -63,6 +63,13 @@ def _pipeline(which: str):
     from megatron_overlap.lab import tiny_gpt
 
     tiny_gpt.init_parallel(1, pp=2, timeout_minutes=TIMEOUT_S / 60)  # Megatron's groups: the same timeout
+    if which == "pp_vpp_p2p":  # PP=2 x VPP=2: stage 0's chunk 1 waits for stage 1's chunk 0
+        from megatron_overlap.lab.virtual_gpt import VirtualPipelineTrainer
+
+        spec = tiny_gpt.TinyGPT(num_layers=4, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=256, seq=32, micro_batch=2)
+        trainer = VirtualPipelineTrainer(PipelineGPT(spec=spec, pp=2), 2, overlap_grad_reduce=True)
+        megatron_overlap.install(OverlapConfig(pp=PPConfig(mode="zb")))
+        return trainer
     trainer = PipelineTrainer(PipelineGPT(pp=2), overlap_grad_reduce=True)
     megatron_overlap.install(OverlapConfig(pp=PPConfig(mode="zb")))
     return trainer
@@ -144,3 +151,5 @@ def test_a_silent_peer_ends_every_path_in_an_error_within_the_timeout():
         assert TIMEOUT_S * 0.8 <= elapsed <= TIMEOUT_S * 4, (which, elapsed)
     assert "pipeline stage 0" in got["pp_p2p"][0] and "peer stage is silent" in got["pp_p2p"][0], got["pp_p2p"]
     assert "data-parallel gradient sync" in got["pp_dp_sync"][0], got["pp_dp_sync"]
+    vpp = got["pp_vpp_p2p"][0]
+    assert "pipeline stage 0" in vpp and "model chunk" in vpp and "peer stage is silent" in vpp, vpp

@@ -63,14 +63,19 @@ def report() -> dict:
     split = "local spec only (Transformer Engine's wgrad deferral is untested, so zb refuses it)"
     schedules = {
         "off": (True, "Megatron's own pipeline schedule"),
-        "1f1b": (mcore_ok, "non-interleaved 1F1B with every stage transfer posted early, waited late; "
-                           "--overlap-pp-max-inflight K (2 x PP - 1 hides the steady-state transfers)"),
-        "zb": (mcore_ok, f"ZB-H1: backward split into B and W, 1F1B's peak memory; {split}"),
-        "auto": (mcore_ok, "zb where the weight gradients can be deferred, else 1f1b"),
+        "1f1b": (mcore_ok, "1F1B with every stage transfer posted early, waited late; "
+                           "--overlap-pp-max-inflight K (2 x PP - 1 hides the steady-state transfers); with a "
+                           "virtual pipeline Megatron's interleaved order"),
+        "zb": (mcore_ok, f"ZB-H1: backward split into B and W, 1F1B's peak memory (interleaved zero bubble with a "
+                         f"virtual pipeline); {split}"),
+        "zbv": (mcore_ok and compat.parse_version(mcore)[:2] == (0, 16),
+                "ZB-V: 2 model chunks per stage in a V (Megatron's layer offsets patched: megatron-core 0.16.x "
+                "only), 1F1B's peak memory; untied embeddings"),
+        "auto": (mcore_ok, "zb where the weight gradients can be deferred, else 1f1b (non-interleaved only)"),
     }
     info["pipeline schedules"] = {name: {"usable": ok, "note": note} for name, (ok, note) in schedules.items()}
-    info["pipeline note"] = ("PP > 1 only (PP = 1: a notice, stock runs); interleaved (virtual) pipelines are "
-                             "refused at start")
+    info["pipeline note"] = ("PP > 1 only (PP = 1: a notice, stock runs); virtual pipelines: 1f1b, zb, zbv "
+                             "(auto refused)")
     ortools = _version("ortools")
     info["pipeline floor"] = (f"megatron-overlap floor / bench pp's floor: CP-SAT from ortools {ortools}" if ortools
                               else "megatron-overlap floor needs ortools (pip install ortools); bench pp then "

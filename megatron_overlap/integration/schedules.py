@@ -3,7 +3,8 @@
 ``get_forward_backward_func`` is replaced where Megatron looks it up
 (``megatron.core.pipeline_parallel``, its ``schedules`` module, and
 ``megatron.training.training``, which binds it by name at import): for PP > 1 without a
-virtual pipeline it returns :func:`make_executor`'s function, which runs the ``pp.build``
+virtual pipeline it returns :func:`make_executor`'s function (with one,
+``vschedules.make_interleaved_executor``'s), which runs the ``pp.build``
 schedule asked for with Megatron's own ``forward_step`` / ``backward_step``, so the
 ``forward_step_func`` contract, loss scaling, ``forward_only``, ``collect_non_loss_data``,
 ``first_val_step``, ``deallocate_pipeline_outputs`` and the ``no_sync_func`` /
@@ -46,18 +47,27 @@ def patch(inst) -> None:
     from megatron.core import pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
 
+    if inst.config.pp.mode == "off":  # `auto` chose Megatron's own (interleaved) schedule
+        return
     original = schedules.__dict__[_NAME]
     stock = schedules.forward_backward_pipelining_without_interleaving
     executor = make_executor(inst)
+    from .vschedules import make_interleaved_executor
+
+    interleaved = make_interleaved_executor(inst)
 
     @functools.wraps(original)
     def get_forward_backward_func(*args, **kwargs):
         func = original(*args, **kwargs)
         if func is schedules.forward_backward_pipelining_with_interleaving:
-            raise OverlapConfigError("pp.mode", "runs non-interleaved pipelines only; this run has a virtual pipeline "
-                                     "(`megatron.virtual_pipeline_model_parallel_size`): drop it or `pp.mode`")
+            return interleaved  # virtual pipelines: integration/vschedules.py
         return executor if func is stock else func
 
+    if inst.config.pp.mode == "zbv":  # ZB-V's layer placement (integration/vplacement.py)
+        from . import compat, vplacement
+
+        vplacement.check_version(compat.check_megatron_version())
+        vplacement.patch(inst)
     for module in (schedules, pipeline_parallel, sys.modules.get("megatron.training.training")):
         if module is not None and getattr(module, _NAME, None) is original:
             inst.set_attr(module, _NAME, get_forward_backward_func)

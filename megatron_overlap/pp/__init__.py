@@ -4,7 +4,7 @@ with Megatron's ``forward_step`` / ``backward_step`` is ``integration/schedules.
 
 from .build import KINDS, build, check_inflight
 
-MODES = ("off", "1f1b", "zb", "auto")  # --overlap-pp
+MODES = ("off", "1f1b", "zb", "zbv", "auto")  # --overlap-pp (zbv: virtual pipelines of 2 chunks)
 from .schedule import Action, Comm, Schedule
 from .validate import ScheduleError, validate
 

@@ -10,6 +10,12 @@
               actions after each stage's last B drained layer by layer (``drain``: stage 0
               inside its last B, the others after it), so the data-parallel gradient buckets
               start their reduction as their last gradient is in
+    zbv       ZB-V: two model chunks per stage in a V (``pp/chunks.py``), B/W split
+
+With ``chunks`` > 1 (virtual pipelines, Megatron's interleaved placement): ``megatron`` is
+Megatron's interleaved 1F1B (its order exactly; its transfers, overlapped by
+``overlap_p2p_comm`` there, posted early and waited late as ours are), ``1f1b`` the same order
+with ``inflight - stages`` more warm-up forwards per stage, ``zb`` interleaved zero bubble.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from ..errors import OverlapConfigError
 from .schedule import Schedule, asynchronous_actions, megatron_actions, one_f_one_b_order, split_order, warmup
 from .validate import validate
 
-KINDS = ("megatron", "1f1b", "zb")
+KINDS = ("megatron", "1f1b", "zb", "zbv")
 
 
 def check_inflight(stages: int, microbatches: int, inflight: int) -> None:
@@ -31,15 +37,21 @@ def check_inflight(stages: int, microbatches: int, inflight: int) -> None:
 
 
 def build(kind: str, stages: int, microbatches: int, inflight: int = 0, w_share: float = 0.5,
-          times: Sequence[float] = (1.0, 1.0, 1.0), forward_only: bool = False, drain: bool = True) -> Schedule:
+          times: Sequence[float] = (1.0, 1.0, 1.0), forward_only: bool = False, drain: bool = True,
+          chunks: int = 1, group: int = 0) -> Schedule:
     """Schedule ``kind`` for ``stages`` x ``microbatches`` (``inflight`` 0: as many as stages),
-    validated before it is returned. ``drain``: split schedules drain their trailing weight
+    validated before it is returned; ``chunks`` model chunks per stage (``zbv``: 2), ``group``
+    Megatron's ``microbatch_group_size_per_vp_stage`` (0: the stages). ``drain``: split schedules drain their trailing weight
     gradients layer by layer (``Schedule.drain``); False runs them one micro-batch at a time."""
     p, m = stages, microbatches
     if kind not in KINDS:
         raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(KINDS)}")
     if p < 2 or m < 1:
         raise ValueError(f"a pipeline schedule needs >= 2 stages and >= 1 micro-batch, got {p} and {m}")
+    if kind == "zbv" or chunks > 1:
+        from .chunk_build import build_chunked
+
+        return build_chunked(kind, p, m, chunks, inflight, w_share, times, forward_only, group)
     k = inflight or p
     if kind != "megatron":
         check_inflight(p, m, k)

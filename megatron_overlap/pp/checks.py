@@ -15,20 +15,17 @@ def check_pp_model(pp, tp, ctx) -> None:
     """``pp``, ``tp``: the config's sections; ``ctx``: a ``config.ModelContext``."""
     if not pp_schedule_applies(pp, ctx):
         return
-    if ctx.virtual_pp_size is not None:
-        raise OverlapConfigError(
-            "pp.mode", "runs non-interleaved pipelines; this run asks for a virtual pipeline "
-            "(`megatron.num_layers_per_virtual_pipeline_stage` / `megatron.virtual_pipeline_model_parallel_size`): "
-            "drop it, or drop `pp.mode` to run Megatron's interleaved schedule")
+    if pp.mode == "zbv":
+        check_zbv_model(ctx)
     for name in ctx.megatron_pp_flags:
         raise OverlapConfigError(
             f"megatron.{name}", f"changes Megatron's pipeline schedule, which `pp.mode` {pp.mode} replaces: "
             "choose one of the two")
-    if pp.mode in ("zb", "auto"):
+    if pp.mode in ("zb", "zbv", "auto"):
         reason = split_unavailable(tp, ctx)
-        if reason and pp.mode == "zb":
-            raise OverlapConfigError("pp.mode", f"zb splits each backward into B and W, which needs {reason}; use "
-                                     "`pp.mode` 1f1b (no split) instead")
+        if reason and pp.mode != "auto":
+            raise OverlapConfigError("pp.mode", f"{pp.mode} splits each backward into B and W, which needs {reason}; "
+                                     "use `pp.mode` 1f1b (no split) instead")
     if pp.max_inflight is not None and ctx.pp_size is not None and pp.max_inflight < ctx.pp_size:
         raise OverlapConfigError(
             "pp.max_inflight", f"is {pp.max_inflight}, below the {ctx.pp_size} pipeline stages: the first stage "
@@ -55,6 +52,8 @@ def resolve_auto(pp, tp, ctx, notice, predicted=None):
     if pp.mode != "auto":
         return pp
     reason = split_unavailable(tp, ctx)
+    if getattr(ctx, "virtual_pp_size", None) is not None:
+        return _resolve_virtual(pp, ctx, notice, predicted, reason)
     if predicted is not None:
         steps = predicted["steps_ms"]
         mode = "1f1b" if reason or steps["1f1b"] <= steps["zb"] else "zb"
@@ -67,4 +66,47 @@ def resolve_auto(pp, tp, ctx, notice, predicted=None):
     mode = "1f1b" if reason else "zb"
     notice(f"`pp.mode` auto: {mode}" + (f" (no B/W split: it needs {reason.split(':')[0]})" if reason else
                                          " (B/W split, ZB-H1: 1F1B's peak activation memory)"))
+    return pp.replace(mode=mode)
+
+
+def check_zbv_model(ctx) -> None:
+    """ZB-V needs a virtual pipeline of exactly 2 chunks per stage, untied embeddings."""
+    if ctx.virtual_pp_size is None and ctx.pp_size is not None:  # known from Megatron's arguments
+        raise OverlapConfigError("pp.mode", "zbv places 2 model chunks on each stage (a V); this run has no virtual "
+                                 "pipeline: set `megatron.virtual_pipeline_model_parallel_size` 2, or use `pp.mode` zb")
+    if isinstance(ctx.virtual_pp_size, int) and ctx.virtual_pp_size != 2:
+        from .chunk_build import check_chunks
+
+        check_chunks("zbv", ctx.virtual_pp_size)
+    if ctx.tied_embeddings:
+        raise OverlapConfigError("pp.mode", "zbv puts the embedding and the output layer in two chunks of stage 0; "
+                                 "tied ones would have to be one parameter there, which is not built: add "
+                                 "`megatron.untie_embeddings_and_output_weights`, or use `pp.mode` zb")
+
+
+def _resolve_virtual(pp, ctx, notice, predicted, reason):
+    """``auto`` on a virtual pipeline: the fastest of stock interleaved, interleaved ``zb`` and
+    (2 chunks, untied embeddings) ``zbv`` by the cost model; stock interleaved where none of ours
+    is predicted to win (said so); without a prediction ``zb`` where W can be deferred, else
+    ``1f1b`` (Megatron's interleaved order)."""
+    virtual = (predicted or {}).get("virtual")
+    if not virtual:
+        mode = "1f1b" if reason else "zb"
+        notice(f"`pp.mode` auto on a virtual pipeline: {mode} (no cost-model prediction for this run)")
+        return pp.replace(mode=mode)
+    steps = dict(virtual["steps_ms"])
+    if reason:
+        steps = {k: t for k, t in steps.items() if k == "off"}
+    if virtual["chunks"] != 2 or ctx.tied_embeddings:
+        steps.pop("zbv", None)
+    mode = min(steps, key=lambda k: (steps[k], k != "off"))
+    stock = virtual["steps_ms"]["off"]
+    if mode == "off":
+        notice(f"`pp.mode` auto: Megatron's interleaved schedule runs (v={virtual['chunks']}): none of ours is "
+               f"predicted faster on {predicted['hardware']} ("
+               + ", ".join(f"{k} {stock / t:.2f}x" for k, t in sorted(virtual["steps_ms"].items()) if k != "off")
+               + (f"; no B/W split: it needs {reason.split(':')[0]}" if reason else "") + ")")
+        return pp.replace(mode="off", explicit=frozenset())
+    notice(f"`pp.mode` auto: {mode}, predicted {stock / steps[mode]:.2f}x over stock interleaved (v="
+           f"{virtual['chunks']}, simulated on {predicted['hardware']})")
     return pp.replace(mode=mode)

@@ -77,10 +77,13 @@ def _solver_module():
 def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, latency_ms: float = 0.0,
           memory: Optional[Sequence[float] | float] = None, w_share: float = 0.5, split: bool = True,
           piece: Optional[Tuple[float, float]] = None, time_limit_s: float = 60.0,
-          dp: Sequence[DPSync] | DPSync = ()) -> Floor:
+          dp: Sequence[DPSync] | DPSync = (), placement: Sequence[Tuple[int, int]] = ()) -> Floor:
     """The shortest step over every schedule of ``len(times)`` stages and ``microbatches``
     micro-batches in the model above. ``memory``: activations a stage may hold (a number, or
-    one per stage; default: 1F1B's peak, ``p`` on every stage)."""
+    one per stage; default: 1F1B's peak, ``p`` on every stage). ``placement``: a virtual
+    pipeline, (stage, chunk) of every virtual stage (``pp/chunks.py``): a chunk takes ``1 / v``
+    of its stage's times and holds ``1 / v`` of its activation, a hand-over between two chunks
+    of one stage takes no link."""
     cp_model = _solver_module()
     p, m = len(times), microbatches
     if p < 2 or m < 1:
@@ -93,40 +96,33 @@ def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, la
         raise ValueError(f"memory is {min(caps):g} activations on a stage: below one micro-batch's, no schedule runs")
     if not 0 <= w_share <= 1:
         raise ValueError(f"w_share is {w_share:g}: the part of an activation a pending W holds is in [0, 1]")
-    ops = _ops(times, split, piece, w_share)
+    vs = list(placement) or [(s, 0) for s in range(p)]
+    v = len(vs) // p
+    ops = [[(op, d / v, h) for op, d, h in _ops([times[r]], split, piece, w_share)[0]] for r, _c in vs]
     model = cp_model.CpModel()
-    # every action one after the other, each transfer on its own: no schedule is longer
     syncs = _per_stage(dp, p) if dp else []
     dp_total = sum(x.reduce_total_ms + x.gather_total_ms for x in syncs)
-    horizon = _ticks(m * sum(d for s in range(p) for _o, d, _h in ops[s]) + 2 * m * p * (transfer_ms + latency_ms)
-                     + dp_total + 1)
+    horizon = _ticks(m * sum(d for j in range(len(vs)) for _o, d, _h in ops[j])
+                     + 2 * m * len(vs) * (transfer_ms + latency_ms) + dp_total + 1)
     start, end, iv = {}, {}, {}
-    for s in range(p):
-        for op, dur, _held in ops[s]:
+    for j in range(len(vs)):
+        for op, dur, _held in ops[j]:
             for k in range(m):
                 a, e = model.NewIntVar(0, horizon, ""), model.NewIntVar(0, horizon, "")
-                iv[s, op, k] = model.NewIntervalVar(a, _ticks(dur, down=True), e, "")
-                start[s, op, k], end[s, op, k] = a, e
-        model.AddNoOverlap([iv[s, op, k] for op, _d, _h in ops[s] for k in range(m)])
+                iv[j, op, k] = model.NewIntervalVar(a, _ticks(dur, down=True), e, "")
+                start[j, op, k], end[j, op, k] = a, e
+    for s in range(p):
+        mine = [j for j, (r, _c) in enumerate(vs) if r == s]
+        model.AddNoOverlap([iv[j, op, k] for j in mine for op, _d, _h in ops[j] for k in range(m)])
         held, demand = [], []
-        for k in range(m):
-            for op, _d, _h in ops[s]:
-                if k:
-                    model.Add(start[s, op, k] >= end[s, op, k - 1])
-                if op != "F":
-                    model.Add(start[s, op, k] >= end[s, "B" if op != "B" else "F", k])
-            held.append(_span(model, start[s, "F", k], end[s, "B", k], horizon))
-            demand.append(_MEM)
-            for op, _d, share in ops[s]:
-                if share is not None:
-                    held.append(_span(model, end[s, "B", k], end[s, op, k], horizon))
-                    demand.append(math.floor(share * _MEM))
+        for j in mine:
+            _order_and_hold(model, ops[j], j, m, start, end, horizon, held, demand, v)
         model.AddCumulative(held, demand, math.ceil(caps[s] * _MEM))
     # durations and demands rounded down, capacities up: the floor stays below the exact one
-    _transfers(model, p, m, start, end, horizon, _ticks(transfer_ms, down=True), _ticks(latency_ms, down=True))
+    _transfers(model, vs, m, start, end, horizon, _ticks(transfer_ms, down=True), _ticks(latency_ms, down=True))
     step = model.NewIntVar(0, horizon, "step")
-    ends = [end[s, op, m - 1] for s in range(p) for op, _d, _h in ops[s]]
-    ends += _dp_sync(model, p, m, ops, start, end, horizon, syncs)
+    ends = [end[j, op, m - 1] for j in range(len(vs)) for op, _d, _h in ops[j]]
+    ends += _dp_sync(model, vs, m, ops, start, end, horizon, syncs)
     model.AddMaxEquality(step, ends)
     model.Minimize(step)
     solver = cp_model.CpSolver()
@@ -135,11 +131,31 @@ def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, la
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(f"the solver found no schedule within {time_limit_s:g} s ({solver.StatusName(status)})")
-    orders = [[f"{op}{k}" for _t, op, k in sorted((solver.Value(start[s, op, k]), op, k) for op, _d, _h in ops[s]
-                                                  for k in range(m))] for s in range(p)]
+    label = (lambda j, op, k: f"{op}{k}") if v == 1 else (lambda j, op, k: f"{op}{k}@{vs[j][1]}")
+    orders = [[label(j, op, k) for _t, j, op, k in sorted((solver.Value(start[j, op, k]), j, op, k)
+                                                          for j, (r, _c) in enumerate(vs) if r == s
+                                                          for op, _d, _h in ops[j] for k in range(m))]
+              for s in range(p)]
+    busy = [m * sum(d for j, (r, _c) in enumerate(vs) if r == s for _o, d, _h in ops[j]) for s in range(p)]
     return Floor(step_ms=solver.Value(step) / _TIME, bound_ms=solver.BestObjectiveBound() / _TIME,
-                 optimal=status == cp_model.OPTIMAL, busy_ms=[m * sum(d for _o, d, _h in ops[s]) for s in range(p)],
-                 orders=orders)
+                 optimal=status == cp_model.OPTIMAL, busy_ms=busy, orders=orders)
+
+
+def _order_and_hold(model, ops, j, m, start, end, horizon, held, demand, v):
+    """Virtual stage ``j``'s order (each kind in micro-batch order, F before B before W) and the
+    activations it holds (``1 / v`` of a stage's per micro-batch)."""
+    for k in range(m):
+        for op, _d, _h in ops:
+            if k:
+                model.Add(start[j, op, k] >= end[j, op, k - 1])
+            if op != "F":
+                model.Add(start[j, op, k] >= end[j, "B" if op != "B" else "F", k])
+        held.append(_span(model, start[j, "F", k], end[j, "B", k], horizon))
+        demand.append(math.floor(_MEM / v))
+        for op, _d, share in ops:
+            if share is not None:
+                held.append(_span(model, end[j, "B", k], end[j, op, k], horizon))
+                demand.append(math.floor(share * _MEM / v))
 
 
 def _ops(times, split, piece, w_share):
@@ -160,20 +176,22 @@ def _ops(times, split, piece, w_share):
     return out
 
 
-def _dp_sync(model, p, m, ops, start, end, horizon, syncs) -> list:
+def _dp_sync(model, vs, m, ops, start, end, horizon, syncs) -> list:
     """The data-parallel constraints of the module docstring; the times the step must cover."""
     out = []
     for s, sync in enumerate(syncs):
+        mine = [j for j, (r, _c) in enumerate(vs) if r == s]
         if sync.gather_ms:
-            model.Add(start[s, "F", 0] >= _ticks(sync.gather_ms[0] + sync.latency_ms, down=True))
-            model.Add(end[s, "F", 0] >= _ticks(sync.gather_total_ms, down=True))
+            model.Add(start[mine[0], "F", 0] >= _ticks(sync.gather_ms[0] + sync.latency_ms, down=True))
+            model.Add(end[mine[-1], "F", 0] >= _ticks(sync.gather_total_ms, down=True))
         if not sync.reduce_ms:
             continue
-        grad_ops = [op for op, _d, _h in ops[s] if op != "F"]
         grad_end = model.NewIntVar(0, horizon, "")
-        model.AddMaxEquality(grad_end, [end[s, op, m - 1] for op in grad_ops])
+        model.AddMaxEquality(grad_end, [end[j, op, m - 1] for j in mine for op, _d, _h in ops[j] if op != "F"])
+        last_b = model.NewIntVar(0, horizon, "")
+        model.AddMinEquality(last_b, [start[j, "B", m - 1] for j in mine])
         r_start = model.NewIntVar(0, horizon, "")
-        model.Add(r_start >= (grad_end if len(sync.reduce_ms) == 1 else start[s, "B", m - 1]))
+        model.Add(r_start >= (grad_end if len(sync.reduce_ms) == 1 else last_b))
         r_end = model.NewIntVar(0, horizon, "")
         model.Add(r_end >= r_start + _ticks(sync.reduce_total_ms, down=True))
         model.Add(r_end >= grad_end + _ticks(sync.reduce_ms[-1] + sync.latency_ms, down=True))
@@ -185,18 +203,23 @@ def _span(model, a, e, horizon):
     return model.NewIntervalVar(a, model.NewIntVar(0, horizon, ""), e, "")
 
 
-def _transfers(model, p, m, start, end, horizon, transfer, latency):
-    """Activations s -> s + 1 after F, gradients s -> s - 1 after B, each on its sender's port."""
-    for s in range(p):
-        port = []
+def _transfers(model, vs, m, start, end, horizon, transfer, latency):
+    """Activations j -> j + 1 after F, gradients j -> j - 1 after B, each on its sender's port;
+    between two chunks of one stage a hand-over with no link."""
+    ports = {}
+    for j, (r, _c) in enumerate(vs):
         for k in range(m):
-            for op, dest, consumer in (("F", s + 1, "F"), ("B", s - 1, "B")):
-                if not 0 <= dest < p:
+            for op, dest in (("F", j + 1), ("B", j - 1)):
+                if not 0 <= dest < len(vs):
+                    continue
+                if vs[dest][0] == r:
+                    model.Add(start[dest, op, k] >= end[j, op, k])
                     continue
                 leave = model.NewIntVar(0, horizon, "")
-                model.Add(leave >= end[s, op, k])
-                port.append(model.NewIntervalVar(leave, transfer, leave + transfer, ""))
-                model.Add(start[dest, consumer, k] >= leave + transfer + latency)
+                model.Add(leave >= end[j, op, k])
+                ports.setdefault(r, []).append(model.NewIntervalVar(leave, transfer, leave + transfer, ""))
+                model.Add(start[dest, op, k] >= leave + transfer + latency)
+    for port in ports.values():
         model.AddNoOverlap(port)
 
 

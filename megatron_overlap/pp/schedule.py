@@ -36,10 +36,18 @@ class Comm:
     kind: str
     mb: int
     peer: int
+    chunk: int = 0  # virtual pipelines (``pp/chunks.py``): this side's model chunk
+    peer_chunk: int = 0  # and the peer's
 
     def __str__(self) -> str:
         arrow = "->" if self.op == SEND else "<-"
+        if self.chunk or self.peer_chunk:
+            return f"{self.op} {self.kind} {self.mb}@{self.chunk} {arrow}{self.peer}@{self.peer_chunk}"
         return f"{self.op} {self.kind} {self.mb} {arrow}{self.peer}"
+
+    def mate(self, stage: int) -> "Comm":
+        """The same transfer seen from the peer's end (this end is stage ``stage``)."""
+        return Comm(RECV if self.op == SEND else SEND, self.kind, self.mb, stage, self.peer_chunk, self.chunk)
 
 
 @dataclass(frozen=True)
@@ -47,17 +55,18 @@ class Action:
     op: str
     mb: int = -1
     comms: Tuple[Comm, ...] = ()
+    chunk: int = 0  # the model chunk a compute action runs (virtual pipelines)
 
     def __str__(self) -> str:
         if self.op in COMPUTE:
-            return f"{self.op}{self.mb}"
+            return f"{self.op}{self.mb}" + (f"@{self.chunk}" if self.chunk else "")
         if self.op == POST:
             return "POST[" + ", ".join(str(c) for c in self.comms) + "]"
         return f"WAIT {self.comms[0]}"
 
 
-def compute(op: str, mb: int) -> Action:
-    return Action(op, mb)
+def compute(op: str, mb: int, chunk: int = 0) -> Action:
+    return Action(op, mb, chunk=chunk)
 
 
 def post(*comms: Comm) -> Action:
@@ -79,7 +88,9 @@ class Schedule:
     backward's order (each parameter's weight gradients still added in micro-batch order, so
     the sums are the same); ``"bw"`` the same, inside the last B itself (each layer's pending
     weight gradients right after its input gradient: only where that B sends nothing, stage
-    0)."""
+    0). ``chunks`` > 1: a virtual pipeline, ``placement[j]`` = (stage, chunk) of virtual stage
+    j (``pp/chunks.py``); memory is then counted in one micro-batch's activations of a whole
+    stage (a chunk's F adds ``1 / chunks``)."""
 
     name: str
     stages: int
@@ -92,6 +103,17 @@ class Schedule:
     forward_only: bool = False
     notes: Tuple[str, ...] = field(default=())
     drain: Tuple[str, ...] = field(default=())
+    chunks: int = 1
+    placement: Tuple[Tuple[int, int], ...] = field(default=())
+
+    @property
+    def virtual_stages(self) -> Tuple[Tuple[int, int], ...]:
+        """(stage, chunk) of every virtual stage, in the model's order."""
+        return self.placement or tuple((s, 0) for s in range(self.stages))
+
+    def chunk_order(self, stage: int) -> List[Tuple[str, int, int]]:
+        """(op, chunk, mb) of stage ``stage``'s compute actions, in order."""
+        return [(a.op, a.chunk, a.mb) for a in self.actions[stage] if a.op in COMPUTE]
 
     def compute_order(self, stage: int) -> List[Tuple[str, int]]:
         return [(a.op, a.mb) for a in self.actions[stage] if a.op in COMPUTE]

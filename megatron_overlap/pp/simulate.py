@@ -144,7 +144,7 @@ def simulate(schedule: Schedule, times: Sequence[StageTimes], link: LinkCost = L
                             sent[(s, c)] = (leave, leave + wire)
                 elif a.op == WAIT:
                     c = a.comms[0]
-                    key = (s, c) if c.op == SEND else (c.peer, Comm(SEND, c.kind, c.mb, s))
+                    key = (s, c) if c.op == SEND else (c.peer, c.mate(s))
                     if key not in sent:
                         break  # the sender has not posted it yet
                     leave, arrive = sent[key]
@@ -155,14 +155,14 @@ def simulate(schedule: Schedule, times: Sequence[StageTimes], link: LinkCost = L
                         clock[s] = done
                 else:
                     t = times[s]
-                    dur = {F: t.f, B: t.b if schedule.split else t.b + t.w, W: t.w}[a.op]
+                    dur = {F: t.f, B: t.b if schedule.split else t.b + t.w, W: t.w}[a.op] / schedule.chunks
                     start = clock[s]
                     if i == first_f[s]:
                         start = dp_state[s].forward(start, dur)
                         end = dp_state[s].forward_end
                     else:
                         end = start + dur
-                    timeline[s].append((f"{a.op}{a.mb}", start, end))
+                    timeline[s].append((str(a), start, end))
                     clock[s] = end
                     busy[s] += dur
                     dp_state[s].segment(i, segments[s], start, end)

@@ -53,7 +53,8 @@ def _fail(schedule, stage, index, message):
 def _check_compute(schedule: Schedule, s: int) -> None:
     m = schedule.microbatches
     wanted = [F] if schedule.forward_only else ([F, B, W] if schedule.split else [F, B])
-    seen = {op: [] for op in COMPUTE}
+    chunks = [c for r, c in schedule.virtual_stages if r == s]
+    seen = {(op, c): [] for op in COMPUTE for c in chunks}
     done = set()
     for i, a in enumerate(schedule.actions[s]):
         if a.op not in COMPUTE:
@@ -62,16 +63,19 @@ def _check_compute(schedule: Schedule, s: int) -> None:
             _fail(schedule, s, i, f"{a.op} has no place in this schedule")
         if not 0 <= a.mb < m:
             _fail(schedule, s, i, f"micro-batch {a.mb} is outside 0..{m - 1}")
+        if a.chunk not in chunks:
+            _fail(schedule, s, i, f"model chunk {a.chunk} is not placed on this stage (it holds {chunks})")
         need = {F: None, B: F, W: B}[a.op]
-        if need is not None and (need, a.mb) not in done:
-            _fail(schedule, s, i, f"{a.op}{a.mb} runs before {need}{a.mb}")
-        if seen[a.op] and a.mb <= seen[a.op][-1]:
-            _fail(schedule, s, i, f"{a.op}{a.mb} out of micro-batch order (after {a.op}{seen[a.op][-1]})")
-        seen[a.op].append(a.mb)
-        done.add((a.op, a.mb))
-    for op in wanted:
-        if len(seen[op]) != m:
-            _fail(schedule, s, None, f"{len(seen[op])} {op} actions for {m} micro-batches")
+        if need is not None and (need, a.chunk, a.mb) not in done:
+            _fail(schedule, s, i, f"{a} runs before {need}{a.mb}" + (f"@{a.chunk}" if a.chunk else ""))
+        past = seen[(a.op, a.chunk)]
+        if past and a.mb <= past[-1]:
+            _fail(schedule, s, i, f"{a} out of micro-batch order (after {a.op}{past[-1]})")
+        past.append(a.mb)
+        done.add((a.op, a.chunk, a.mb))
+    for (op, c), mbs in seen.items():
+        if op in wanted and len(mbs) != m:
+            _fail(schedule, s, None, f"{len(mbs)} {op} actions of chunk {c} for {m} micro-batches")
 
 
 def _check_drain(schedule: Schedule, s: int) -> None:
@@ -95,19 +99,47 @@ def _check_drain(schedule: Schedule, s: int) -> None:
         _fail(schedule, s, last_b, "drains inside its last B, but a forward or backward follows it")
 
 
+def neighbours(schedule: Schedule, s: int, chunk: int):
+    """((stage, chunk) before, (stage, chunk) after) the virtual stage that ``chunk`` of stage
+    ``s`` runs; None at the model's ends."""
+    vs = schedule.virtual_stages
+    j = vs.index((s, chunk))
+    return (vs[j - 1] if j else None), (vs[j + 1] if j + 1 < len(vs) else None)
+
+
 def _needed(schedule: Schedule, s: int) -> set:
-    p, m = schedule.stages, schedule.microbatches
+    """The transfers stage ``s`` posts; none between two chunks of one stage."""
     need = set()
-    for mb in range(m):
-        if s > 0:
-            need.add(Comm(RECV, ACT, mb, s - 1))
-            if not schedule.forward_only:
-                need.add(Comm(SEND, GRAD, mb, s - 1))
-        if s < p - 1:
-            need.add(Comm(SEND, ACT, mb, s + 1))
-            if not schedule.forward_only:
-                need.add(Comm(RECV, GRAD, mb, s + 1))
+    for r, c in schedule.virtual_stages:
+        if r != s:
+            continue
+        prev, nxt = neighbours(schedule, s, c)
+        for mb in range(schedule.microbatches):
+            if prev is not None and prev[0] != s:
+                need.add(Comm(RECV, ACT, mb, prev[0], c, prev[1]))
+                if not schedule.forward_only:
+                    need.add(Comm(SEND, GRAD, mb, prev[0], c, prev[1]))
+            if nxt is not None and nxt[0] != s:
+                need.add(Comm(SEND, ACT, mb, nxt[0], c, nxt[1]))
+                if not schedule.forward_only:
+                    need.add(Comm(RECV, GRAD, mb, nxt[0], c, nxt[1]))
     return need
+
+
+def _input_ready(schedule, s, a, waited, done) -> str:
+    """Why compute action ``a`` of stage ``s`` may not run yet ('' when it may)."""
+    prev, nxt = neighbours(schedule, s, a.chunk)
+    if a.op == F and prev is not None:
+        if prev[0] != s and Comm(RECV, ACT, a.mb, prev[0], a.chunk, prev[1]) not in waited:
+            return "runs before its activation's receive was waited for"
+        if prev[0] == s and (F, prev[1], a.mb) not in done:
+            return f"runs before F{a.mb}@{prev[1]}, on this stage, produced its input"
+    if a.op == B and nxt is not None:
+        if nxt[0] != s and Comm(RECV, GRAD, a.mb, nxt[0], a.chunk, nxt[1]) not in waited:
+            return "runs before its gradient's receive was waited for"
+        if nxt[0] == s and (B, nxt[1], a.mb) not in done:
+            return f"runs before B{a.mb}@{nxt[1]}, on this stage, produced its gradient"
+    return ""
 
 
 def _check_transfers(schedule: Schedule, s: int) -> None:
@@ -117,9 +149,9 @@ def _check_transfers(schedule: Schedule, s: int) -> None:
             for c in a.comms:
                 if c in posted:
                     _fail(schedule, s, i, f"{c} is posted twice")
-                producer = (F if c.kind == ACT else B, c.mb)
+                producer = (F if c.kind == ACT else B, c.chunk, c.mb)
                 if c.op == SEND and producer not in done:
-                    _fail(schedule, s, i, f"{c} is posted before {producer[0]}{producer[1]} produced it")
+                    _fail(schedule, s, i, f"{c} is posted before {producer[0]}{producer[2]} produced it")
                 posted.add(c)
         elif a.op == WAIT:
             c = a.comms[0]
@@ -129,11 +161,10 @@ def _check_transfers(schedule: Schedule, s: int) -> None:
                 _fail(schedule, s, i, f"waits twice for {c}")
             waited.add(c)
         else:
-            if a.op == F and s > 0 and Comm(RECV, ACT, a.mb, s - 1) not in waited:
-                _fail(schedule, s, i, "runs before its activation's receive was waited for")
-            if a.op == B and s < schedule.stages - 1 and Comm(RECV, GRAD, a.mb, s + 1) not in waited:
-                _fail(schedule, s, i, "runs before its gradient's receive was waited for")
-            done.add((a.op, a.mb))
+            why = _input_ready(schedule, s, a, waited, done)
+            if why:
+                _fail(schedule, s, i, why)
+            done.add((a.op, a.chunk, a.mb))
     need = _needed(schedule, s)
     if posted != need:
         extra, missing = sorted(map(str, posted - need)), sorted(map(str, need - posted))
@@ -146,19 +177,20 @@ def _channel(schedule: Schedule, s: int, src: int, dst: int) -> List[Tuple[str, 
     """(kind, mb) of every transfer from ``src`` to ``dst`` that stage ``s`` (one of the two)
     posts, in order."""
     op, peer = (SEND, dst) if s == src else (RECV, src)
-    return [(c.kind, c.mb) for c in schedule.comms(s) if c.peer == peer and c.op == op]
+    out = [(c.kind, c.mb, c.chunk, c.peer_chunk) for c in schedule.comms(s) if c.peer == peer and c.op == op]
+    return [(k, mb, *((x, y) if op == SEND else (y, x))) for k, mb, x, y in out]  # (.., sender's chunk, receiver's)
 
 
 def _check_matching(schedule: Schedule) -> None:
-    for s in range(schedule.stages - 1):
-        for src, dst in ((s, s + 1), (s + 1, s)):
-            a, b = _channel(schedule, src, src, dst), _channel(schedule, dst, src, dst)
-            for k, (x, y) in enumerate(zip(a, b)):
-                if x != y:
-                    raise ScheduleError(
-                        f"schedule {schedule.name!r} is rejected: transfer {k} from stage {src} to stage {dst} is "
-                        f"{x[0]} {x[1]} where it is sent but {y[0]} {y[1]} where it is received: both ends must post "
-                        "the transfers of one direction in the same order")
+    p = schedule.stages
+    for src, dst in ((a, b) for a in range(p) for b in range(p) if a != b):
+        a, b = _channel(schedule, src, src, dst), _channel(schedule, dst, src, dst)
+        for k, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                raise ScheduleError(
+                    f"schedule {schedule.name!r} is rejected: transfer {k} from stage {src} to stage {dst} is "
+                    f"{x[0]} {x[1]} where it is sent but {y[0]} {y[1]} where it is received: both ends must post "
+                    "the transfers of one direction in the same order")
 
 
 def _simulate(schedule: Schedule, model: str) -> None:
@@ -170,9 +202,11 @@ def _simulate(schedule: Schedule, model: str) -> None:
     batches: List[List[Tuple[Comm, ...]]] = [[] for _ in range(p)]  # per stage: posted batches
     active = [0] * p  # index of each stage's executing batch (model "batch")
     complete = set()  # (stage, comm)
+    pending: List[List[Comm]] = [[] for _ in range(p)]  # model "link": posted, not complete
+    position: Dict[Tuple[int, Comm], int] = {}  # (stage, comm) -> its place on its channel
 
     def mate(s, c):
-        return c.peer, Comm(RECV if c.op == SEND else SEND, c.kind, c.mb, s)
+        return c.peer, c.mate(s)
 
     def settle():
         changed = True
@@ -180,15 +214,16 @@ def _simulate(schedule: Schedule, model: str) -> None:
             changed = False
             for s in range(p):
                 if model == "link":
-                    for c in [c for b in batches[s] for c in b]:
+                    for c in pending[s]:
                         if (s, c) in complete:
                             continue
                         peer, m = mate(s, c)
-                        mine = channel_posts[(s, c.peer, c.op)].index(c)
+                        mine = position[(s, c)]
                         theirs = channel_posts.get((peer, s, m.op), [])
                         if mine < len(theirs) and theirs[mine] == m:
                             complete.update({(s, c), (peer, m)})
                             changed = True
+                    pending[s] = [c for c in pending[s] if (s, c) not in complete]
                 else:
                     while active[s] < len(batches[s]):
                         batch = batches[s][active[s]]
@@ -216,7 +251,10 @@ def _simulate(schedule: Schedule, model: str) -> None:
                 if a.op == POST:
                     batches[s].append(a.comms)
                     for c in a.comms:
-                        channel_posts.setdefault((s, c.peer, c.op), []).append(c)
+                        channel = channel_posts.setdefault((s, c.peer, c.op), [])
+                        position[(s, c)] = len(channel)
+                        channel.append(c)
+                        pending[s].append(c)
                 ptr[s] += 1
                 moved = True
         if all(ptr[s] == len(acts[s]) for s in range(p)):
@@ -238,13 +276,14 @@ def _check_memory(schedule: Schedule, s: int) -> float:
         return 0.0
     live = peak = 0.0
     w = schedule.w_share if schedule.split else 0.0
+    unit = 1.0 / schedule.chunks  # a chunk's share of the stage's layers
     for i, a in enumerate(schedule.actions[s]):
         if a.op == F:
-            live += 1.0
+            live += unit
         elif a.op == B:
-            live -= 1.0 - w
+            live -= (1.0 - w) * unit
         elif a.op == W:
-            live -= w
+            live -= w * unit
         if live > schedule.memory_bound[s] + 1e-9:
             _fail(schedule, s, i, f"holds {live:g} micro-batches' activations, above its bound "
                   f"{schedule.memory_bound[s]:g}")

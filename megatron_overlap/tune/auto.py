@@ -118,5 +118,23 @@ def predicted_pp_choice(args, device: Optional[str], world_size: Optional[int] =
     rows = simulate_schedules(model, run, hw, dp_options=options, placement=placement)
     steps = {"off" if r.label.startswith("stock") else "zb" if r.label.startswith("zb") else "1f1b": r.step_ms
              for r in rows if "in flight" not in r.label}
-    return {"steps_ms": steps, "options": options.describe(), "dp": dp, "microbatches": m, "hardware": spec,
-            "placement": placement}
+    out = {"steps_ms": steps, "options": options.describe(), "dp": dp, "microbatches": m, "hardware": spec,
+           "placement": placement}
+    v = _virtual_chunks(args, pp)
+    if v:  # a virtual pipeline: stock interleaved against ours in the same chunks (tune/virtual.py)
+        from .virtual import simulate_virtual
+
+        names = {"stock Megatron interleaved": "off", "zb interleaved": "zb", "zbv (ZB-V)": "zbv"}
+        rows = [r for r in simulate_virtual(model, run, hw, dp_options=options, chunks=(v,))]
+        out["virtual"] = {"chunks": v, "steps_ms": {names[k]: r.step_ms for r in rows for k in names
+                                                     if r.label.startswith(k)}}
+    return out
+
+
+def _virtual_chunks(args, pp: int) -> int:
+    """Model chunks per stage of Megatron's ``args`` (0: no virtual pipeline)."""
+    v = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    per = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if not v and per:
+        v = args.num_layers // (pp * per)
+    return int(v or 0)

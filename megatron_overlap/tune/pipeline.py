@@ -227,11 +227,11 @@ def format_schedules(results: list, memory_gb: float = 0.0) -> str:
     stock = results[0]
     lines = ["pipeline schedules (simulated: pp/simulate.py over the layer model's F, B, W per stage and one "
              "activation P2P per hop):",
-             f"  {'schedule':24}{'step ms':>10}{'vs stock':>9}{'bubble':>8}{'exposed P2P':>13}{'exposed DP':>12}"
+             f"  {'schedule':32}{'step ms':>10}{'vs stock':>9}{'bubble':>8}{'exposed P2P':>13}{'exposed DP':>12}"
              f"{'act GB/stage':>13}  flags"]
     for r in sorted(results, key=lambda r: r.step_ms):
         over = memory_gb and r.peak_activation_gb > memory_gb
-        lines.append(f"  {r.label:24}{r.step_ms:>10.1f}{stock.step_ms / r.step_ms:>8.2f}x{100 * r.bubble:>7.1f}%"
+        lines.append(f"  {r.label:32}{r.step_ms:>10.1f}{stock.step_ms / r.step_ms:>8.2f}x{100 * r.bubble:>7.1f}%"
                      f"{r.p2p_exposed_ms:>11.1f}ms{r.dp_exposed_ms:>10.1f}ms{r.peak_activation_gb:>13.1f}  "
                      f"{r.flags or '(stock)'}" + ("  [over the memory budget]" if over else ""))
     lines.append("  bubble: idle / step on a free link; exposed P2P: the step without the DP sync - the same on a "

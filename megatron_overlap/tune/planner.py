@@ -80,8 +80,10 @@ def make_plan(model: ModelSpec, run: RunSpec, hw, strategies: list = None) -> Pl
     pipeline = None
     if run.pp > 1 and run.training and ranked:
         from .pipeline import simulate_schedules
+        from .virtual import simulate_virtual
 
-        pipeline = simulate_schedules(model, run, hw, ranked[0].strategy)
+        pipeline = simulate_schedules(model, run, hw, ranked[0].strategy) + simulate_virtual(
+            model, run, hw, ranked[0].strategy)
     return Plan(model, run, hw, ranked, [r for r in results if not r.applicable], pipeline)
 
 

@@ -237,7 +237,13 @@ def _rows() -> list[Row]:
             why="its baseline runs TP without SP (all-reduces, no sequence-sharded norms); the model gives the "
                 "cut no per-part launch overhead and prices its smaller GEMMs by gemm_ms; per-op overlap without "
                 "the cut predicts 1.06-1.29x on the same grid"),
-    ] + _pipeline_rows()
+    ] + _pipeline_rows() + _virtual_rows()
+
+
+def _virtual_rows() -> list[Row]:
+    from .virtual import virtual_rows
+
+    return virtual_rows()
 
 
 def _pipeline_rows() -> list[Row]:

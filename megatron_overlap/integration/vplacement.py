@@ -1,0 +1,89 @@
+"""ZB-V's layer placement (``--overlap-pp zbv``, patch table in ``install.py``): two model chunks
+per stage in a V, stage s holding virtual stages s and 2p-1-s (``pp/chunks.py``), which
+Megatron's own placement (chunk c of stage s = virtual stage c p + s) does not build. While
+``zbv`` is installed:
+
+- ``get_transformer_layer_offset`` (``transformer.transformer_layer``, and the name
+  ``transformer.transformer_block`` imported) gives chunk 1 of stage s the offset of virtual
+  stage 2p-1-s: the layers keep Megatron's whole-model numbering, so checkpoint keys
+  (``sharded_state_dict``) name the same layers as in the stock layout;
+- ``parallel_state.is_pipeline_last_stage`` says stage 0 (with ``vp_stage``: its chunk 1), where
+  the V puts the model's last layer and the loss; ``is_pipeline_first_stage`` is Megatron's.
+
+Both restored exactly on uninstall. Checked where they are first used (refused with what to
+change): uniform layers only (``num_layers`` divisible into 2p chunks; no custom pipeline
+layout, no first/last-stage layer counts, no embedding/loss in the split), untied embeddings
+(tied ones would need one parameter shared by stage 0's two chunks), megatron-core 0.16.x
+(the version whose offset and predicates this was written against; others refused by name).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..errors import OverlapConfigError
+
+PATCHED_VERSIONS = ((0, 16),)
+
+
+def check_version(version) -> None:
+    """``version``: megatron-core's (major, minor, patch)."""
+    if tuple(version[:2]) not in PATCHED_VERSIONS:
+        raise OverlapConfigError(
+            "pp.mode", f"zbv patches Megatron's layer offsets and last-stage predicate, written against megatron-core "
+            f"0.16.x; this is {'.'.join(map(str, version))}, where that patch is not known to be safe: use `pp.mode` "
+            "zb (interleaved zero bubble in Megatron's own placement)")
+
+
+def check_config(config) -> None:
+    p, layers = config.pipeline_model_parallel_size, config.num_layers
+    if getattr(config, "pipeline_model_parallel_layout", None) or config.num_layers_in_first_pipeline_stage \
+            is not None or config.num_layers_in_last_pipeline_stage is not None or \
+            config.account_for_embedding_in_pipeline_split or config.account_for_loss_in_pipeline_split:
+        raise OverlapConfigError("pp.mode", "zbv places uniform chunks in a V; a custom pipeline layout or first/last "
+                                 "stage layer counts need Megatron's placement: use `pp.mode` zb")
+    if layers % (2 * p):
+        raise OverlapConfigError("pp.mode", f"zbv splits the {layers} layers into 2 x {p} equal chunks (a V over {p} "
+                                 f"stages): {layers} is not a multiple of {2 * p}")
+
+
+def v_offset(config, vp_stage, pp_rank) -> int:
+    """The first layer (0-based, in the whole model) of chunk ``vp_stage`` on stage ``pp_rank`` in the V."""
+    p = config.pipeline_model_parallel_size
+    per = config.num_layers // (2 * p)
+    return (pp_rank if vp_stage == 0 else 2 * p - 1 - pp_rank) * per
+
+
+def patch(inst) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.transformer import transformer_block, transformer_layer
+
+    original_offset = transformer_layer.get_transformer_layer_offset
+    original_last = parallel_state.is_pipeline_last_stage
+
+    @functools.wraps(original_offset)
+    def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None):
+        if vp_stage is None or config.virtual_pipeline_model_parallel_size != 2 or \
+                config.pipeline_model_parallel_size < 2:
+            return original_offset(config, vp_stage, pp_rank)
+        check_config(config)
+        if pp_rank is None:
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        inst.calls["pp.zbv.offset"] += 1
+        return v_offset(config, vp_stage, pp_rank)
+
+    @functools.wraps(original_last)
+    def is_pipeline_last_stage(ignore_virtual=True, vp_stage=None):
+        if parallel_state.get_virtual_pipeline_model_parallel_world_size() != 2:
+            return original_last(ignore_virtual, vp_stage)
+        on_stage0 = parallel_state.get_pipeline_model_parallel_rank() == 0
+        if ignore_virtual:
+            return on_stage0  # the stage holding the model's last layer and the loss
+        assert vp_stage is not None, "vp_stage must be passed if virtual pipeline is enabled"
+        return on_stage0 and vp_stage == 1
+
+    inst.set_attr(transformer_layer, "get_transformer_layer_offset", get_transformer_layer_offset)
+    if getattr(transformer_block, "get_transformer_layer_offset", None) is original_offset:
+        inst.set_attr(transformer_block, "get_transformer_layer_offset", get_transformer_layer_offset)
+    inst.set_attr(parallel_state, "is_pipeline_last_stage", is_pipeline_last_stage)
+    inst.notice_once("pp-zbv", "pipeline placement: ZB-V (stage s holds virtual stages s and 2p-1-s)")

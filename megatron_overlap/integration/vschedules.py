@@ -1,0 +1,295 @@
+"""Megatron's interleaved schedule (virtual pipelines) -> ``pp`` with model chunks
+(``pp/chunks.py``): a drop-in for ``forward_backward_pipelining_with_interleaving`` that runs
+the ``pp.build`` schedule of ``--overlap-pp`` 1f1b or zb over Megatron's list of model chunks,
+in Megatron's interleaved placement, with Megatron's own ``forward_step`` (``vp_stage``-aware)
+and ``backward_step``. Around them it does what Megatron's interleaved schedule does:
+
+- ``no_sync_func`` (one per chunk: all entered together), ``grad_sync_func`` /
+  ``param_sync_func`` made one per chunk; without ``grad_sync_func`` the sync is enabled before
+  each chunk's last backward (as stock); with it, each chunk's gradient sync is launched once
+  its last gradient is in (after its last B, or in a split schedule its last W) and the rest at
+  the end; the first two chunks' parameter gathers at the start, chunk c's before its first
+  forward (stock launches them a few virtual micro-batches earlier: timing only);
+- the embedding's activation buffer and weight gradient, ``finalize_model_grads_func`` over
+  the list of chunks, the token count, forward-only (the syncs disabled, as stock).
+
+The transfers are ``schedules._Run``'s (every stage posting its transfers in one order shared
+by both ends; every wait bounded by the group's timeout), keyed by (chunk, micro-batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..comm import tags, waits
+from ..errors import OverlapConfigError
+from ..pp import build
+from ..pp.schedule import ACT, B, F, POST, RECV, SEND, WAIT, W
+from .schedules import _inflight, _Run, _timed_out
+
+
+def make_interleaved_executor(inst):
+    from megatron.core.pipeline_parallel import schedules
+
+    import inspect
+
+    with_model_type = "model_type" in set(inspect.signature(schedules.backward_step).parameters)
+
+    def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                         micro_batch_size, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
+                         first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
+                         force_all_reduce=False, **unknown):
+        if unknown:
+            raise OverlapConfigError("pp.mode", f"runs a schedule that does not take {sorted(unknown)} (a newer "
+                                     "megatron-core?): use `pp.mode` off")
+        if not isinstance(model, list) or not isinstance(data_iterator, list) or len(model) != len(data_iterator):
+            raise OverlapConfigError("pp.mode", "runs virtual pipelines over Megatron's list of model chunks, one data "
+                                     "iterator per chunk (as Megatron's interleaved schedule asserts)")
+        inst.calls[f"pp.{inst.config.pp.mode}.interleaved"] += 1
+        run = _VRun(inst, schedules, with_model_type, forward_step_func, data_iterator, model, num_microbatches,
+                    forward_only, collect_non_loss_data, first_val_step, p2p_communicator, pg_collection)
+        run.shapes(seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn)
+        with waits.at(timeout_s=inst.config.comm.timeout_s):
+            return run.execute(force_all_reduce)
+
+    forward_backward.megatron_overlap_schedule = True
+    return forward_backward
+
+
+class _VRun(_Run):
+    """One call over ``v`` model chunks (``schedules._Run`` keyed by (chunk, micro-batch))."""
+
+    def __init__(self, inst, schedules, with_model_type, forward_step_func, data_iterator, model, m, forward_only,
+                 collect_non_loss_data, first_val_step, p2p_communicator, pg_collection):
+        super().__init__(inst, schedules, with_model_type, forward_step_func, data_iterator[0], model[0], m,
+                         forward_only, collect_non_loss_data, first_val_step, p2p_communicator, pg_collection)
+        self.models, self.iterators, self.v = list(model), list(data_iterator), len(model)
+
+    def shapes(self, seq_length, micro_batch_size, decoder_seq_length, adjust):
+        if adjust is not None:
+            raise OverlapConfigError("pp.mode", "adjust_tensor_shapes_fn is not supported for interleaved pipelines "
+                                     "(Megatron's interleaved schedule refuses it too)")
+        kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+                  config=self.config, tp_group=self.tp_group, cp_group=self.cp_group)
+        shapes = self.schedules.get_tensor_shapes(**kw)
+        if len(shapes) != 1:
+            raise OverlapConfigError("pp.mode", f"sends one tensor between stages; this model sends {len(shapes)}")
+        self.recv_shape = self.send_shape = tuple(shapes[0])
+        pp = self.inst.config.pp
+        inflight = _inflight(pp, self.p, self.m, self.config, seq_length, micro_batch_size)
+        group = self.config.microbatch_group_size_per_vp_stage or self.p
+        self.schedule = _vschedule(pp.mode, self.p, self.m, self.v, group, inflight, self.forward_only,
+                                   self.inst.pp_times)
+        self.store = self.inst.wgrad if self.schedule.split else None
+        self.drain, self.last_b, self.trailing_w = "", None, frozenset()
+        vs = self.schedule.virtual_stages
+        self.loss_chunk = vs[-1][1] if vs[-1][0] == self.stage else None  # the model's last layer is here
+        self.last = self.loss_chunk is not None
+        self.handover = {}  # chunk -> the chunk of this stage its output goes to (ZB-V's turn)
+        for j in range(len(vs) - 1):
+            if vs[j][0] == vs[j + 1][0] == self.stage:
+                self.handover[vs[j][1]] = vs[j + 1][1]
+        self.handed_from = {b: a for a, b in self.handover.items()}
+
+    def execute(self, force_all_reduce):
+        config, schedules = self.config, self.schedules
+        embedding = None
+        if config.finalize_model_grads_func is not None and not self.forward_only:
+            embedding = schedules.clear_embedding_activation_buffer(config, self.models, self.last)
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        for name in ("grad_sync_func", "param_sync_func"):  # one per chunk, as stock makes them
+            func = getattr(config, name)
+            if func is not None and not isinstance(func, list):
+                setattr(config, name, [func for _ in self.models])
+        saved = None
+        if self.forward_only:
+            saved = config.grad_sync_func, config.param_sync_func
+            config.grad_sync_func = config.param_sync_func = None
+        self.total_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+        self.data = []
+        sync = _ChunkSync(config)
+        sync.disable()
+        if config.param_sync_func is not None:
+            for c in range(min(2, self.v)):
+                config.param_sync_func[c](self.models[c].parameters())
+        self._steps(sync)
+        if saved is not None:
+            config.grad_sync_func, config.param_sync_func = saved
+        else:
+            sync.enable()
+            if config.grad_sync_func is not None:
+                for c in range(self.v):
+                    if c not in sync.synced:
+                        config.grad_sync_func[c](self.models[c].parameters())
+        if config.finalize_model_grads_func is not None and not self.forward_only:
+            schedules.finish_embedding_wgrad_compute(config, embedding, self.last, self.tp_group)
+            self._finalize(force_all_reduce)
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        return self.data
+
+    def _steps(self, sync):
+        config, m = self.config, self.m
+        last_grad = {}  # chunk -> index of the action that completes its gradients
+        acts = self.schedule.actions[self.stage]
+        for i, a in enumerate(acts):
+            if a.op == (W if self.schedule.split else B) and a.mb == m - 1:
+                last_grad[a.chunk] = i
+        gathered = set(range(min(2, self.v)))
+        observe = self.inst.pp_observer
+        for i, action in enumerate(acts):
+            if action.op == B and action.mb == m - 1 and config.grad_sync_func is None:
+                sync.enable()  # stock: before the chunk's last backward, and left on
+                sync.synced.add(action.chunk)
+            if action.op == F and action.chunk not in gathered and config.param_sync_func is not None:
+                config.param_sync_func[action.chunk](self.models[action.chunk].parameters())
+                gathered.add(action.chunk)
+            t0 = time.perf_counter()
+            self._run(action)
+            if observe is not None:
+                observe(self.stage, action, t0, time.perf_counter())
+            if config.grad_sync_func is not None and last_grad.get(action.chunk) == i and not self.forward_only:
+                sync.enable()
+                config.grad_sync_func[action.chunk](self.models[action.chunk].parameters())
+                sync.synced.add(action.chunk)
+                sync.disable()
+
+    def _finalize(self, force_all_reduce):
+        from .schedules import _default_collection
+
+        config = self.config
+        try:
+            config.finalize_model_grads_func(
+                self.models, self.total_tokens if config.calculate_per_token_loss else None,
+                pg_collection=self.pg_collection or _default_collection(self), force_all_reduce=force_all_reduce)
+        except RuntimeError as exc:
+            if not _timed_out(exc):
+                raise
+            raise RuntimeError(f"megatron-overlap pipeline stage {self.stage}: the data-parallel gradient sync after "
+                               f"the schedule did not complete (a data-parallel peer is silent or failed): {exc}") from exc
+
+    def _act(self, action):
+        if action.op == POST:
+            self._post(action.comms)
+        elif action.op == WAIT:
+            self._wait(action.comms[0])
+        elif action.op == F:
+            self._vforward(action.chunk, action.mb)
+        elif action.op == B:
+            self._vbackward(action.chunk, action.mb)
+        else:
+            self.store.run_microbatch((action.chunk, action.mb))
+
+    def _vforward(self, c, mb):
+        s = self.schedules
+        key = (c, mb)
+        input_tensor = [self.inputs.get(key)]
+        output, tokens = s.forward_step(
+            self.forward_step_func, self.iterators[c], self.models[c], self.m, input_tensor, self.data, self.config,
+            cp_group_size=self.cp_group.size(), collect_non_loss_data=self.collect_non_loss_data,
+            checkpoint_activations_microbatch=None,
+            is_first_microbatch=s.check_first_val_step(self.first_val_step, self.forward_only, mb == 0),
+            current_microbatch=mb, vp_stage=c, is_last_stage=c == self.loss_chunk)
+        self.total_tokens += tokens
+        self.outputs[key] = output
+        if c in self.handover and not self.forward_only:  # to the next chunk on this stage, as a receive would
+            self.inputs[(self.handover[c], mb)] = output[0].detach().requires_grad_(True)
+        elif c in self.handover:
+            self.inputs[(self.handover[c], mb)] = output[0].detach()
+        if self.forward_only:
+            self.inputs.pop(key, None)
+        else:
+            self.inputs[key] = input_tensor
+
+    def _vbackward(self, c, mb):
+        key = (c, mb)
+        args = (self.inputs.pop(key), self.outputs.pop(key), [self.out_grads.pop(key, None)])
+        if self.with_model_type:
+            args = args + (self.model_type,)
+        hold = contextlib.nullcontext() if self.store is None else self.store.hold_for(key)
+        with hold:
+            grad = self.schedules.backward_step(*args, self.config)
+        grad = grad[0] if isinstance(grad, list) else grad
+        if c in self.handed_from:  # the turn: this chunk's input gradient is the previous chunk's output gradient
+            self.out_grads[(self.handed_from[c], mb)] = grad
+        else:
+            self.in_grads[key] = grad
+
+    def _post(self, comms):
+        ops = []
+        for c in comms:
+            peer = dist.get_global_rank(self.pp_group, c.peer)
+            tag = tags.tag("pp.stage", 0)
+            key = (c.chunk, c.mb)
+            if c.op == SEND:
+                tensor = self.outputs[key][0] if c.kind == ACT else self.in_grads.pop(key)
+                self.buffers[c] = tensor
+                ops.append(dist.P2POp(dist.isend, tensor, peer, self.pp_group, tag))
+            else:
+                buf = torch.empty(self.recv_shape, dtype=self.config.pipeline_dtype, device=self.device,
+                                  requires_grad=True)
+                self.buffers[c] = buf
+                ops.append(dist.P2POp(dist.irecv, buf, peer, self.pp_group, tag))
+        works = dist.batch_isend_irecv(ops)
+        for i, c in enumerate(comms):
+            self.works[c] = [works[i]] if len(works) == len(comms) else list(works)
+
+    def _wait(self, c):
+        for work in self.works.pop(c):
+            try:
+                waits.wait(work, str(c), self.pp_group, c.peer)
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"megatron-overlap pipeline stage {self.stage}: {c} (model chunk {c.chunk}, stage {c.peer}'s "
+                    f"chunk {c.peer_chunk}) did not complete ("
+                    f"{'the peer stage is silent or failed: ' if _timed_out(exc) else ''}{exc}); the pipeline "
+                    "group's timeout bounds every wait") from exc
+        buf = self.buffers.pop(c)
+        key = (c.chunk, c.mb)
+        if c.op == RECV and c.kind == ACT:
+            self.inputs[key] = buf
+        elif c.op == RECV:
+            self.out_grads[key] = buf
+        elif c.kind == ACT:
+            output = self.outputs[key] if not self.forward_only else self.outputs.pop(key)
+            self.schedules.deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
+
+
+class _ChunkSync:
+    """Megatron's ``no_sync`` of every chunk, entered and left together."""
+
+    def __init__(self, config):
+        funcs = config.no_sync_func
+        if isinstance(funcs, list):
+            def func():
+                stack = contextlib.ExitStack()
+                for f in funcs:
+                    stack.enter_context(f())
+                return stack
+            self.func = func
+        else:
+            self.func = funcs or contextlib.nullcontext
+        self.context = None
+        self.synced = set()
+
+    def disable(self):
+        if self.context is None:
+            self.context = self.func()
+            self.context.__enter__()
+
+    def enable(self):
+        if self.context is not None:
+            self.context.__exit__(None, None, None)
+            self.context = None
+
+
+@functools.lru_cache(maxsize=64)
+def _vschedule(mode, p, m, v, group, inflight, forward_only, times=None):
+    return build(mode, p, m, inflight, forward_only=forward_only, times=times or (1.0, 1.0, 1.0), chunks=v,
+                 group=group)

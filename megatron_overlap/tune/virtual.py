@@ -1,0 +1,112 @@
+"""Virtual pipelines in the planner (issue 23): Megatron's interleaved 1F1B (v = 2, 4), our
+interleaved zero bubble and ZB-V, simulated on the same per-stage costs as the non-interleaved
+schedules (``tune/pipeline.py``), each with its peak activation memory per stage.
+
+Assumptions beyond the non-interleaved rows': a chunk takes ``1 / v`` of its stage's F, B and W
+and holds ``1 / v`` of its activations; every hop between stages carries one activation (the
+interleaved schedule has ``v p - 1`` hops per micro-batch, ZB-V ``2 p - 2``: its turn stays on
+the last stage); stock interleaved's transfers overlapped as its ``overlap_p2p_comm`` does
+(posted early, waited late); the data-parallel sync priced per stage as for the
+non-interleaved schedules (Megatron's per-chunk buckets are not modelled).
+"""
+
+from __future__ import annotations
+
+from ..pp import build
+from ..pp.simulate import LinkCost, simulate as simulate_pipeline
+from .pipeline import DPOptions, ScheduleResult, stage_costs
+from .strategies import Strategy
+
+VIRTUAL = (
+    ("stock Megatron interleaved v=2", "megatron", 2),
+    ("stock Megatron interleaved v=4", "megatron", 4),
+    ("zb interleaved v=2", "zb", 2),
+    ("zbv (ZB-V)", "zbv", 2),
+)
+
+
+def simulate_virtual(model, run, hw, strategy: Strategy = Strategy("megatron"),
+                     dp_options: DPOptions = DPOptions(), chunks=(2, 4)) -> list:
+    """The rows of ``VIRTUAL`` that this model and layout can run (layers divisible into the
+    chunks, micro-batches as Megatron's interleaved schedule requires)."""
+    costs = stage_costs(model, run, hw, strategy, dp_options)
+    p, m = run.pp, run.micro_batches
+    link, free = LinkCost(transfer_ms=costs.transfer_ms), LinkCost()
+    own = tuple(sum(getattr(t, x) for t in costs.times) / p for x in ("f", "b", "w"))
+    out = []
+    for label, kind, v in VIRTUAL:
+        if model.layers % (p * v) or p < 2 or v not in chunks:
+            continue
+        try:
+            schedule = build(kind, p, m, chunks=v, times=own)
+        except ValueError:
+            continue
+        dp = costs.dp if kind == "megatron" else costs.dp_ours()
+        on_link = simulate_pipeline(schedule, costs.times, link, dp)
+        no_dp = simulate_pipeline(schedule, costs.times, link)
+        alone = simulate_pipeline(schedule, costs.times, free)
+        layers = f"--num-layers-per-virtual-pipeline-stage {model.layers // (p * v)}"
+        flags = layers if kind == "megatron" else f"--overlap-pp {kind} {layers}"
+        out.append(ScheduleResult(label, flags, on_link.step_ms, alone.bubble, no_dp.step_ms - alone.step_ms,
+                                  on_link.step_ms - no_dp.step_ms,
+                                  max(schedule.memory_bound) * costs.activation_bytes / 1e9))
+    return out
+
+
+def _bench_setting():
+    from .hardware import get_hardware
+    from .models import RunSpec, get_model
+
+    return get_model("llama3-70b"), RunSpec(tp=8, pp=4, dp=2, seq=8192, micro_batch=1, micro_batches=16,
+                                            phase="train"), get_hardware("h100-sxm")
+
+
+def _interleaved_bubble():
+    from ..pp.simulate import StageTimes
+
+    model, run, hw = _bench_setting()
+    times = stage_costs(model, run, hw).times
+    r = simulate_pipeline(build("megatron", run.pp, run.micro_batches, chunks=2), times)
+    busy = max(r.busy_ms)
+    value = (r.step_ms - busy) / busy
+    even = simulate_pipeline(build("megatron", 4, 16, chunks=2), [StageTimes(1.0, 2.0, 0.0)])
+    return (f"{value:.3f} idle / busy on the cost model's stages ({(even.step_ms - 48) / 48:.4f} on equal "
+            "stages: 3 / 32)", value)
+
+
+def _zbv_bubble():
+    from ..pp.simulate import StageTimes
+
+    p, m = 4, 16
+    t = [StageTimes(1.0, 1.0, 1.0)]
+    zbv, stock = simulate_pipeline(build("zbv", p, m, chunks=2), t), simulate_pipeline(
+        build("megatron", p, m, chunks=2), t)
+    return (f"F = B = W, p = 4, m = 16: bubble {100 * zbv.bubble:.1f}% (stock interleaved v=2: "
+            f"{100 * stock.bubble:.1f}%) at p micro-batches of a stage (1F1B's peak); not zero: the last stage "
+            "waits p - 1 chunk forwards for its first input; the floor (pp/optimal.py) proves that optimal at "
+            "m = 8 (tests/test_pp_virtual.py)", None)
+
+
+def _zbv_traffic():
+    p, m = 4, 16
+
+    def sends(s):
+        return sum(1 for st in range(p) for a in s.actions[st] if a.op == "POST" for c in a.comms if c.op == "SEND")
+
+    ratio = sends(build("zbv", p, m, chunks=2)) / sends(build("1f1b", p, m))
+    return f"{ratio:.2f}x 1F1B's transfers per step (2 (2p - 2) against 2 (p - 1) per micro-batch)", ratio
+
+
+def virtual_rows() -> list:
+    from .published import Row
+
+    source = "Qi et al., \"Pipeline Parallelism with Controllable Memory\", NeurIPS 2024"
+    return [
+        Row("Megatron-LM interleaved 1F1B", "bubble (p-1)/(v m)", "anchors.md",
+            "llama3-70b, h100-sxm, TP=8 x PP=4, v=2, m=16, free link; our schedule data of Megatron's order",
+            _interleaved_bubble, 3 / 32),
+        Row("ZB-V", "zero bubble at 1F1B's activation memory when F ~ B ~ W", source,
+            "simulated (pp/simulate.py), our ZB-V order", _zbv_bubble),
+        Row("ZB-V", "twice the stage-to-stage traffic", source, "counted in the schedules (pp/chunks.py)",
+            _zbv_traffic, 2.0),
+    ]
