@@ -254,3 +254,22 @@ def test_a_bad_batch_fails_at_its_own_step_whether_planned_ahead_or_inline():
         with pytest.raises(OverlapConfigError, match="sequence 3 has 5000 tokens, more than the 4 ranks hold"):
             it.start_step()
         it.close()
+
+
+def test_a_planning_helper_that_does_not_answer_ends_in_an_error_within_the_bound():
+    """Every wait is bounded: a helper stuck in its planner (here: a sleep) is stopped after
+    the timeout, and the error says which helper and what to do."""
+    import time
+
+    from megatron_overlap.hdp.planahead import Helper
+
+    helper = Helper()
+    try:
+        pending = helper.submit(time.sleep, 30.0)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match=r"HDP planning helper \(pid \d+\) gave no plan within 0.5 s"):
+            pending.result(timeout_s=0.5)
+        assert time.perf_counter() - t0 < 5.0
+        assert helper._proc.wait(timeout=5) is not None  # it was stopped
+    finally:
+        helper.close()

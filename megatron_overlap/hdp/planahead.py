@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from .plan import Plan
 from .samples import as_samples
 
 HELPER_NICE = 10
+PLAN_TIMEOUT_S = 600.0  # how long a step waits for its plan without --overlap-timeout-s (NCCL's default)
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,20 @@ class Pending:
     def __init__(self, proc):
         self._proc = proc
 
-    def result(self):
+    def result(self, timeout_s: Optional[float] = None):
+        """The answer, waiting at most ``timeout_s`` (default: ``--overlap-timeout-s`` where it
+        is set, else :data:`PLAN_TIMEOUT_S`); a helper that does not answer in time is killed and
+        the wait ends in an error naming it."""
+        from ..comm import waits
+
+        limit = timeout_s if timeout_s is not None else (waits.current().timeout_s or PLAN_TIMEOUT_S)
+        # One request is outstanding at a time, so nothing of this answer sits in the reader's buffer yet
+        ready, _, _ = select.select([self._proc.stdout], [], [], limit)
+        if not ready:
+            self._proc.kill()
+            raise RuntimeError(f"the HDP planning helper (pid {self._proc.pid}) gave no plan within {limit:g} s; "
+                               "it was stopped (a planner that hangs, or a machine too loaded to run it: raise "
+                               "comm.timeout_s, or plan inline)")
         try:
             ok, value = pickle.load(self._proc.stdout)
         except EOFError:
