@@ -12,6 +12,7 @@ non-interleaved schedules (Megatron's per-chunk buckets are not modelled).
 
 from __future__ import annotations
 
+from ..config import PPConfig
 from ..pp import build
 from ..pp.simulate import LinkCost, simulate as simulate_pipeline
 from .pipeline import DPOptions, ScheduleResult, stage_costs
@@ -46,7 +47,7 @@ def simulate_virtual(model, run, hw, strategy: Strategy = Strategy("megatron"),
         no_dp = simulate_pipeline(schedule, costs.times, link)
         alone = simulate_pipeline(schedule, costs.times, free)
         layers = f"--num-layers-per-virtual-pipeline-stage {model.layers // (p * v)}"
-        flags = layers if kind == "megatron" else f"--overlap-pp {kind} {layers}"
+        flags = layers if kind == "megatron" else " ".join(PPConfig(mode=kind).flags() + [layers])
         out.append(ScheduleResult(label, flags, on_link.step_ms, alone.bubble, no_dp.step_ms - alone.step_ms,
                                   on_link.step_ms - no_dp.step_ms,
                                   max(schedule.memory_bound) * costs.activation_bytes / 1e9))
