@@ -3,7 +3,7 @@ issue-24 entry quotes it: at R = 64 and 256, C = 32768, T = 2 and 8 x R x C, two
 packages corpus and one heavy-tailed batch per point, documents cut at R x C / 8; then a digest
 of every plan (the same digest before and after a speed change means the same plans). With
 the guard: the same, plus megatron-core's plan (``schedule_megatron_balanced``) and
-``guard.guarded``, what the runtime and ``bench hdp`` plan per step; a digest of those plans too.
+``both_models.for_both`` and ``guard.guarded``, what the runtime and ``bench hdp`` plan per step; a digest of those plans too.
 
     python scripts/hdp_planner_speed.py
 """
@@ -14,6 +14,7 @@ import time
 from megatron_overlap.cli.bench_hdp import draw_batches, loading_ranks
 from megatron_overlap.cli.corpus import corpus_batches, package_documents
 from megatron_overlap.hdp import HdpCostModel, schedule_hdp
+from megatron_overlap.hdp.both_models import for_both
 from megatron_overlap.hdp.guard import guarded
 from megatron_overlap.integration.baselines import schedule_megatron_balanced
 
@@ -27,9 +28,10 @@ for R in (64, 256):
         times, with_guard = [], []
         for lens in batches:
             t = time.perf_counter()
-            ours = schedule_hdp(lens, R, C, cost, home=loading_ranks(len(lens), R))
+            home = loading_ranks(len(lens), R)
+            ours = schedule_hdp(lens, R, C, cost, home=home)
             times.append(time.perf_counter() - t)
-            kept = guarded(ours, schedule_megatron_balanced(lens, R, C), cost)
+            kept = guarded(for_both(ours, cost, home=home), schedule_megatron_balanced(lens, R, C), cost)
             with_guard.append(time.perf_counter() - t)
             plans.append(repr(ours.microbatches))
             guarded_plans.append(repr(kept.microbatches))
