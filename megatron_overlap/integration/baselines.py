@@ -17,7 +17,7 @@ def schedule_megatron_balanced(seq_lens: Sequence[int], ranks: int, capacity_tok
                                faithful: bool = False):
     """megatron-core's ``BalancedCPScheduler`` converted to a ``Plan``: by default its
     re-implementation ``hdp.balanced_cp.FastBalancedCP`` (the same groups, tested against it,
-    25-35x faster at R = 256); ``faithful``: megatron-core's own code, run unmodified."""
+    14-35x faster at R = 256); ``faithful``: megatron-core's own code, run unmodified."""
     if not faithful:
         from ..hdp.balanced_cp import FastBalancedCP
 
