@@ -152,6 +152,7 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
     import contextlib
     import dataclasses
 
+    from ..hdp.both_models import for_both
     from ..hdp.guard import guarded
 
     from tqdm import tqdm
@@ -191,7 +192,7 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
                 if name == "megatron_balanced":
                     peer, peer_s = plan, time.perf_counter() - t0
                 if name == "hdp" and guard:  # what the runtime runs: ours, or megatron-core's where ours is slower
-                    plan = guarded(plan, peer, scoring)
+                    plan = guarded(for_both(plan, cost, scoring, mode, homes[k]) if plan else plan, peer, scoring)
                     seconds[name] += peer_s  # the runtime plans megatron-core's too
                 per_step[name].append(time.perf_counter() - t0 + (peer_s if name == "hdp" and guard else 0.0))
                 seconds[name] += time.perf_counter() - t0

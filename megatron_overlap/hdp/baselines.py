@@ -117,8 +117,9 @@ def schedule_balanced_cp(scheduler_cls, seq_lens: Sequence[int], ranks: int, cap
     R, C = ranks, capacity_tokens
     per_rank = 2 * (C // 2) if C > 1 else C
     notes = []
-    fits = [(i, L) for i, L in enumerate(lens) if _megatron_cp_size(L, per_rank) <= R]
-    too_big = [i for i, L in enumerate(lens) if _megatron_cp_size(L, per_rank) > R]
+    sizes = {L: _megatron_cp_size(L, per_rank) for L in set(lens)}
+    fits = [(i, L) for i, L in enumerate(lens) if sizes[L] <= R]
+    too_big = [i for i, L in enumerate(lens) if sizes[L] > R]
     if per_rank != C:
         notes.append(f"given max_seq_len_per_rank={per_rank} (C={C} is odd; zigzag shards need an even C)")
     out: List[List[Tuple[Shard, ...]]] = [[] for _ in range(R)]
@@ -138,11 +139,12 @@ def schedule_balanced_cp(scheduler_cls, seq_lens: Sequence[int], ranks: int, cap
         for r, ids in enumerate(ids_per_rank):
             for sid in ids:
                 members.setdefault(sid, []).append(r)
+        rings = {sid: tuple(m) if len(m) > 1 else () for sid, m in members.items()}
+        pos = {(sid, r): k for sid, m in members.items() if len(m) > 1 for k, r in enumerate(m)}
         for r, ids in enumerate(ids_per_rank):
             for sid in ids:
-                ring = tuple(members[sid]) if len(members[sid]) > 1 else ()
-                pos = ring.index(r) if ring else 0
-                out[r].append((Shard(sid, lens[sid], ring, pos),))
+                ring = rings[sid]
+                out[r].append((Shard(sid, lens[sid], ring, pos[sid, r] if ring else 0),))
                 phases[r].append(g)
     for k, i in enumerate(too_big):
         ring = tuple(range(R)) if R > 1 else ()  # R = 1: only an odd C's last row made it "too big"

@@ -26,6 +26,7 @@ are the same for every scheduler and left out.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Optional, Sequence
 
 from ..tune.comm import transfer_ms
@@ -106,7 +107,7 @@ class HdpCostModel:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    @property
+    @cached_property  # the same float every call: computed once per instance (the planner calls it ~10^5 times a step)
     def linear_flops_per_token(self) -> float:
         """6 x (weights a token passes through): forward 2 per weight, backward 4."""
         qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
@@ -114,16 +115,16 @@ class HdpCostModel:
         per_layer = qkv + self.hidden * self.hidden + mlp
         return 6.0 * (per_layer * self.layers + self.vocab * self.hidden)
 
-    @property
+    @cached_property
     def attention_fwd_flops_per_pair(self) -> float:
         """QK^T and PV: 2 GEMMs x 2 FLOPs x hidden, every layer."""
         return 4.0 * self.hidden * self.layers
 
-    @property
+    @cached_property
     def linear_ms_per_token(self) -> float:
         return self.linear_flops_per_token / (self.peak_tflops * 1e12 * self.gemm_fraction) * 1e3
 
-    @property
+    @cached_property
     def attention_fwd_ms_per_pair(self) -> float:
         return self.attention_fwd_flops_per_pair / (self.peak_tflops * 1e12 * self.attention_fraction) * 1e3
 

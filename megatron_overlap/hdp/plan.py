@@ -81,10 +81,11 @@ class Plan:
         return out
 
     # -- cost ----------------------------------------------------------------------------------
-    def item_ms(self, mb: Sequence[Shard], cost: HdpCostModel) -> float:
+    def item_ms(self, mb: Sequence[Shard], cost: HdpCostModel, ring: Optional[Tuple[int, ...]] = None) -> float:
         """One rank's busy time for one micro-batch: compute of everything held plus the exposed
-        communication of its ring (rows and pairs of the ring's sequences add)."""
-        ring = self.ring_of(mb)
+        communication of its ring (rows and pairs of the ring's sequences add). ``ring``: its
+        ``ring_of(mb)`` where the caller has it already."""
+        ring = self.ring_of(mb) if ring is None else ring
         compute = sum(cost.compute_ms(s.rows, s.causal_pairs) for s in mb)
         if mb:
             compute += cost.microbatch_overhead_ms

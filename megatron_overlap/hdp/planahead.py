@@ -61,6 +61,7 @@ class Planner:
         if self.peer is None or self.scheduler != "hdp" or self.mode != "dp":
             return plan
         from .baselines import MegatronSchedulerError
+        from .both_models import for_both
         from .cost import HdpCostModel
         from .guard import guarded
 
@@ -68,7 +69,8 @@ class Planner:
             other = self.peer(list(seq_lens), self.ranks, self.capacity_tokens)
         except MegatronSchedulerError:
             other = None
-        return guarded(plan, other, self.cost or HdpCostModel())
+        cost = self.cost or HdpCostModel()
+        return guarded(for_both(plan, cost, home=home), other, cost)
 
 
 class Helper:

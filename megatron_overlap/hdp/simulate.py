@@ -31,9 +31,10 @@ class StepTime:
 
 def simulate(plan: Plan, cost: HdpCostModel) -> StepTime:
     R = plan.ranks
-    dur = [[plan.item_ms(mb, cost) for mb in mbs] for mbs in plan.microbatches]
-    keys = [[plan.ring_key(mb) if plan.ring_of(mb) else None for mb in mbs] for mbs in plan.microbatches]
     rings = [[plan.ring_of(mb) for mb in mbs] for mbs in plan.microbatches]
+    dur = [[plan.item_ms(mb, cost, ring) for mb, ring in zip(mbs, rs)] for mbs, rs in zip(plan.microbatches, rings)]
+    keys = [[plan.ring_key(mb) if ring else None for mb, ring in zip(mbs, rs)]
+            for mbs, rs in zip(plan.microbatches, rings)]
     now = [0.0] * R
     ptr = [0] * R
     phase_list = sorted({p for ph in plan.phases for p in ph})
