@@ -26,7 +26,9 @@ The shims, each for one reason (``shared/third_party/megatron-lm/README.md`` lis
 - a ``TorchFunctionMode`` that puts tensors created with ``device="cuda"`` (or ``.cuda()``,
   ``pin_memory=True``) on the CPU: dozens of places in ``training.py``, ``utils.py``, the
   optimizer;
-- ``TORCH_COMPILE_DISABLE=1``: ``megatron.core.jit.jit_fuser`` is ``torch.compile``.
+- ``TORCH_COMPILE_DISABLE=1``: ``megatron.core.jit.jit_fuser`` is ``torch.compile``;
+- ``deallocate_pipeline_outputs`` off: freeing a stage's output under an asynchronous gloo send
+  sends freed memory (``_keep_pipeline_outputs``).
 
 Lab code: it patches the world for a test and is never imported by the product.
 """
@@ -91,6 +93,27 @@ def apply() -> None:
     from megatron.training import training
 
     training.initialize_megatron = initialize_megatron
+    _keep_pipeline_outputs(arguments)
+
+
+def _keep_pipeline_outputs(arguments) -> None:
+    """``deallocate_pipeline_outputs`` off (Megatron-LM always sets it): Megatron frees a stage's
+    output right after posting its asynchronous send (the interleaved schedule with
+    ``overlap_p2p_comm``), which a CUDA stream orders but gloo does not: its send reads the buffer
+    later, from its own thread, and then sends freed memory (stock Megatron's interleaved losses
+    turn to garbage on CPU). Freeing is only a memory saving; the numerics are unchanged."""
+    original = arguments.core_transformer_config_from_args
+
+    def core_transformer_config_from_args(*args, **kwargs):
+        config = original(*args, **kwargs)
+        config.deallocate_pipeline_outputs = False
+        return config
+
+    arguments.core_transformer_config_from_args = core_transformer_config_from_args
+    for name in ("gpt_builders", "pretrain_gpt", "__main__"):  # bound by name where already imported
+        module = sys.modules.get(name)
+        if getattr(module, "core_transformer_config_from_args", None) is original:
+            module.core_transformer_config_from_args = core_transformer_config_from_args
 
 
 def _record_losses(path: str) -> None:
