@@ -202,6 +202,13 @@ def _packed(*flags) -> tuple:
             "--position-embedding-type", "learned_absolute", "--global-batch-size", "8", *flags)
 
 
+def _with_evaluation(flags: tuple) -> tuple:
+    """A validation split (80/20) and one evaluation iteration every 2 steps."""
+    flags = list(flags)
+    flags[flags.index("--split") + 1] = "80,20,0"
+    return (*flags, "--eval-iters", "1", "--eval-interval", "2")
+
+
 def test_hdp_trains_packed_documents_like_data_parallelism():
     """--hdp through pretrain_gpt.py: each sample cut into its documents, the documents longer
     than one rank's 64 tokens on rings of two ranks, the losses of plain data parallelism."""
@@ -231,11 +238,15 @@ def test_hdp_with_tensor_parallelism_trains_like_data_parallelism():
     """--hdp at TP=2 x DP=2 on 4 ranks (each HDP rank a TP group with the TP-overlap linears,
     rings between the groups of one TP rank): TP rank 0 reads the documents and hands them to its
     group, every TP rank plans the same step, and the losses are plain DP=2's at TP=1 within 1e-5
-    (CPU initialisation: the same weights at every TP size)."""
-    stock = train("stock", 2, _packed(*CPU_INIT))  # the run of the test above
-    ours = train("plugin", 4, TP2 + _packed("--hdp", "--hdp-max-tokens-per-rank", "64", "--overlap-tp", "p2p",
-                                            *CPU_INIT))
+    (CPU initialisation: the same weights at every TP size). With an evaluation every 2 steps:
+    the script passes no iterator on TP rank 1, for training and validation alike, and the
+    evaluation (planned inline) must not take the training step read ahead."""
+    stock = train("stock", 2, _with_evaluation(_packed(*CPU_INIT)))
+    ours = train("plugin", 4, TP2 + _with_evaluation(_packed("--hdp", "--hdp-max-tokens-per-rank", "64",
+                                                             "--overlap-tp", "p2p", *CPU_INIT)))
     calls = ours["calls"]
-    assert calls.get("hdp.step") == 4 * 5 and calls.get("hdp.ring", 0) > 0 and calls.get("tp.column", 0) > 0, calls
+    assert calls.get("hdp.step") == 4 * (5 + 3) and calls.get("hdp.ring", 0) > 0 and calls.get("tp.column", 0) > 0, \
+        calls  # 5 training steps, evaluations after steps 2 and 4 and at the end
+    assert calls.get("hdp.planned_ahead") == 4 * 4, calls  # training planned ahead, evaluation inline
     for a, b in zip(ours["losses"], stock["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b), (ours["losses"], stock["losses"])

@@ -98,7 +98,10 @@ class Helper:
     def close(self) -> None:
         if self._proc is not None:
             proc, self._proc = self._proc, None
-            proc.stdin.close()
+            try:
+                proc.stdin.close()
+            except OSError:  # it was stopped (a timed-out wait) with a request unread
+                pass
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -123,6 +126,7 @@ class Pending:
         ready, _, _ = select.select([self._proc.stdout], [], [], limit)
         if not ready:
             self._proc.kill()
+            self._proc.wait(timeout=30)
             raise RuntimeError(f"the HDP planning helper (pid {self._proc.pid}) gave no plan within {limit:g} s; "
                                "it was stopped (a planner that hangs, or a machine too loaded to run it: raise "
                                "comm.timeout_s, or plan inline)")

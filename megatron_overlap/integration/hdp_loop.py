@@ -161,7 +161,14 @@ class _Loop:
         self.inst = inst
         self.runtime = None
         self.active = None  # the step's _Batches while its schedule runs
-        self.iterators = {}  # id(script's data iterator) -> (it, its HdpDataIterator)
+        self.iterators = {}  # forward_only -> (the script's data iterator, its HdpDataIterator)
+        inst.closers.append(self.close)
+
+    def close(self) -> None:
+        """Stop the planning helpers (at uninstall)."""
+        iterators, self.iterators = self.iterators, {}
+        for _it, hdp_iterator in iterators.values():
+            hdp_iterator.close()
         self.microbatches = 0  # the running step's num_microbatches: batches a step's documents take
 
     def wrap(self, schedule):
@@ -182,7 +189,7 @@ class _Loop:
         return forward_backward
 
     def _step(self, schedule, forward_step_func, data_iterator, model, num_microbatches, config, kwargs):
-        step = self._hdp_iterator(data_iterator, num_microbatches)
+        step = self._hdp_iterator(data_iterator, num_microbatches, bool(kwargs.get("forward_only", False)))
         ahead = step.ahead_steps
         count = step.start_step()
         self._count(step.current)
@@ -197,17 +204,23 @@ class _Loop:
             self.active = None
             config.variable_seq_lengths = variable
 
-    def _hdp_iterator(self, data_iterator, m: int):
-        """One ``HdpDataIterator`` per data iterator of the script (training, validation), planning
-        one step ahead: it reads the next step's documents (``m`` batches, this step's count) while
-        loading this one and plans them in its helper process while this step trains."""
+    def _hdp_iterator(self, data_iterator, m: int, forward_only: bool):
+        """One ``HdpDataIterator`` for training, planning one step ahead (it reads the next step's
+        documents, ``m`` batches, this step's count, while loading this one and plans them in its
+        helper process while this step trains), and one for evaluation, planned inline (an
+        evaluation reads no step beyond its own). Keyed by ``forward_only``, which every rank
+        agrees on: the script passes ``None`` as the iterator on TP ranks > 0 and middle stages,
+        for training and validation alike."""
         from ..hdp.planahead import HdpDataIterator
 
         self.microbatches = m
-        entry = self.iterators.get(id(data_iterator))
+        entry = self.iterators.get(forward_only)
         if entry is None or entry[0] is not data_iterator:
-            entry = (data_iterator, HdpDataIterator(self._reader(data_iterator), self._runtime(), plan_ahead=True))
-            self.iterators[id(data_iterator)] = entry
+            if entry is not None:
+                entry[1].close()
+            entry = (data_iterator, HdpDataIterator(self._reader(data_iterator), self._runtime(),
+                                                    plan_ahead=not forward_only))
+            self.iterators[forward_only] = entry
         return entry[1]
 
     def _reader(self, data_iterator):

@@ -105,6 +105,7 @@ class Installation:
         self.sites: dict = {}  # (id(weight), shape) -> "layer 3 linear_fc1 (column, ...)": wait messages (sites.py)
         self._noticed: set = set()
         self._saved: list = []  # (owner, name, original object, ours)
+        self.closers: list = []  # called once at uninstall: what a patch started (helper processes)
         self.complete = True  # False once uninstall ran (some patch may be held under a foreign wrapper)
 
     @property
@@ -129,6 +130,9 @@ class Installation:
         (``module.attribute`` names); a later ``uninstall()``, once theirs is gone, restores ours."""
         kept = []
         self.complete = False  # from now on only what another wrapper holds may remain
+        closers, self.closers = self.closers, []
+        for close in closers:
+            close()
         for entry in reversed(self._saved):
             owner, name, original, ours = entry
             if _get(owner, name) is ours:
