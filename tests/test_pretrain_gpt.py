@@ -154,6 +154,21 @@ def test_virtual_pipeline_schedules_train_like_megatrons_interleaved_1f1b(mode):
     assert ours["losses"] == stock["losses"]
 
 
+def test_zbv_trains_through_the_real_script():
+    """--overlap-pp zbv at PP=2 x VPP=2 through pretrain_gpt.py (untied embeddings): Megatron-LM's
+    get_model builds the output layer where the V ends (stage 0's chunk 1: ``is_pp_last_stage``
+    patched where the script imported it), the layer offsets are the V's, and it trains. Its
+    losses are not stock's: Megatron seeds each stage's initialisation by its stage, and the V puts
+    layers 2-3 on other stages; the numerics against the same model on one stage are
+    tests/test_pp_virtual_training.py's."""
+    untied = VPP2 + ("--untie-embeddings-and-output-weights",)
+    stock = train("stock", 2, untied)
+    ours = train("plugin", 2, untied + ("--overlap-pp", "zbv"))
+    assert ours["calls"].get("pp.zbv.interleaved", 0) == 2 * 5 and ours["calls"].get("pp.zbv.offset", 0) > 0, ours
+    assert abs(ours["losses"][0] - stock["losses"][0]) < 0.01 and ours["losses"][-1] < ours["losses"][0] - 0.2, \
+        (ours["losses"], stock["losses"])
+
+
 def test_plugin_refuses_megatrons_own_cp_path_clearly():
     """Stock Megatron's local attention refuses CP; the plugin's message names the flag."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),

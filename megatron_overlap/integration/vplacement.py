@@ -8,9 +8,12 @@ Megatron's own placement (chunk c of stage s = virtual stage c p + s) does not b
   stage 2p-1-s: the layers keep Megatron's whole-model numbering, so checkpoint keys
   (``sharded_state_dict``) name the same layers as in the stock layout;
 - ``parallel_state.is_pipeline_last_stage`` says stage 0 (with ``vp_stage``: its chunk 1), where
-  the V puts the model's last layer and the loss; ``is_pipeline_first_stage`` is Megatron's.
+  the V puts the model's last layer and the loss, and so does ``pipeline_parallel.utils.
+  is_pp_last_stage`` (with ``is_vp_last_stage``, as Megatron-LM's ``get_model`` builds the output
+  layer and ``Float16Module`` casts the output); ``is_pipeline_first_stage`` is Megatron's.
 
-Both restored exactly on uninstall. Checked where they are first used (refused with what to
+Each is replaced wherever Megatron holds it under its name (modules that imported it by name
+too) and restored exactly on uninstall. Checked where they are first used (refused with what to
 change): uniform layers only (``num_layers`` divisible into 2p chunks; no custom pipeline
 layout, no first/last-stage layer counts, no embedding/loss in the split), untied embeddings
 (tied ones would need one parameter shared by stage 0's two chunks), megatron-core 0.16.x
@@ -20,6 +23,7 @@ layout, no first/last-stage layer counts, no embedding/loss in the split), untie
 from __future__ import annotations
 
 import functools
+import sys
 
 from ..errors import OverlapConfigError
 
@@ -82,8 +86,27 @@ def patch(inst) -> None:
         assert vp_stage is not None, "vp_stage must be passed if virtual pipeline is enabled"
         return on_stage0 and vp_stage == 1
 
-    inst.set_attr(transformer_layer, "get_transformer_layer_offset", get_transformer_layer_offset)
-    if getattr(transformer_block, "get_transformer_layer_offset", None) is original_offset:
-        inst.set_attr(transformer_block, "get_transformer_layer_offset", get_transformer_layer_offset)
-    inst.set_attr(parallel_state, "is_pipeline_last_stage", is_pipeline_last_stage)
+    from megatron.core.pipeline_parallel import utils as pp_utils
+
+    original_pp_last = pp_utils.is_pp_last_stage
+
+    @functools.wraps(original_pp_last)
+    def is_pp_last_stage(pp_group):
+        if parallel_state.get_virtual_pipeline_model_parallel_world_size() != 2:
+            return original_pp_last(pp_group)
+        return pp_group.rank() == 0  # with is_vp_last_stage (vp_stage 1): stage 0's chunk 1, the V's end
+
+    for original, ours in ((original_offset, get_transformer_layer_offset), (original_last, is_pipeline_last_stage),
+                           (original_pp_last, is_pp_last_stage)):
+        _rebind(inst, original, ours)
     inst.notice_once("pp-zbv", "pipeline placement: ZB-V (stage s holds virtual stages s and 2p-1-s)")
+
+
+def _rebind(inst, original, ours) -> None:
+    """Put ``ours`` wherever Megatron holds ``original`` under its name: its own module and every
+    module that imported it by name (the model builders, Float16Module, the layer specs, the
+    training loop), each restored by uninstall."""
+    name = original.__name__
+    for module_name, module in sorted(sys.modules.items()):
+        if module_name.startswith("megatron") and module is not None and module.__dict__.get(name) is original:
+            inst.set_attr(module, name, ours)
