@@ -281,3 +281,10 @@ def test_auto_on_a_virtual_pipeline_picks_from_the_cost_model_stock_interleaved_
     assert resolve_auto(PPConfig(mode="auto"), tp, ModelContext(pp_size=4, virtual_pp_size=4), notes.append,
                         four).mode == "zb"
     assert resolve_auto(PPConfig(mode="auto"), tp, ctx, notes.append).mode == "zb"
+    # a ZB-V that would be refused at start is never a candidate: 78 layers do not split into 2 x 4 chunks
+    from megatron_overlap.integration.install import _drop_unrunnable_zbv
+
+    kept, dropped = dict(got, virtual=dict(virtual)), dict(got, virtual=dict(virtual))
+    _drop_unrunnable_zbv(kept, args)
+    _drop_unrunnable_zbv(dropped, argparse.Namespace(**dict(vars(args), num_layers=78)))
+    assert "zbv" in kept["virtual"]["steps_ms"] and set(dropped["virtual"]["steps_ms"]) == {"off", "zb"}

@@ -33,6 +33,7 @@ import sys
 from typing import Any, Optional, Union
 
 from ..config import ModelContext, OverlapConfig
+from ..errors import OverlapConfigError
 from ..cp.checks import check_cp_model
 from ..cp.ring import RingOptions
 from ..hdp.checks import check_hdp_model
@@ -249,6 +250,7 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
         from ..tune.auto import predicted_pp_choice
 
         predicted = predicted_pp_choice(args_or_config, linears._cuda_device_name())
+        _drop_unrunnable_zbv(predicted, args_or_config)
     config = config.replace(pp=resolve_pp(config.pp, config.tp, context, notice, predicted) if pp_on else
                             config.pp.replace(mode="off", explicit=frozenset()))
     inst = Installation(config, context, requested, ring_options)
@@ -259,6 +261,27 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
     inst.tp_overlap = config.tp.enabled and tp_on
     _apply(inst, cp_on, pp_on)
     return inst
+
+
+def _drop_unrunnable_zbv(predicted, args) -> None:
+    """``auto`` never picks a ZB-V that would be refused at start: not on a megatron-core whose
+    placement is not known to patch safely, nor on layers that do not split into 2p equal chunks."""
+    virtual = (predicted or {}).get("virtual")
+    if not virtual or "zbv" not in virtual.get("steps_ms", {}):
+        return
+    from . import vplacement
+
+    p = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    try:
+        vplacement.check_version(compat.check_megatron_version())
+        runnable = getattr(args, "num_layers", 0) % (2 * p) == 0 and not getattr(
+            args, "pipeline_model_parallel_layout", None) and getattr(
+            args, "decoder_first_pipeline_num_layers", None) is None and getattr(
+            args, "decoder_last_pipeline_num_layers", None) is None
+    except OverlapConfigError:
+        runnable = False
+    if not runnable:
+        virtual["steps_ms"] = {k: v for k, v in virtual["steps_ms"].items() if k != "zbv"}
 
 
 def _apply(inst: Installation, cp_on: bool, pp_on: bool) -> None:
