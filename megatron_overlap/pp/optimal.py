@@ -111,6 +111,7 @@ def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, la
                 a, e = model.NewIntVar(0, horizon, ""), model.NewIntVar(0, horizon, "")
                 iv[j, op, k] = model.NewIntervalVar(a, _ticks(dur, down=True), e, "")
                 start[j, op, k], end[j, op, k] = a, e
+    spans = []  # per stage: when its last gradient (B or W) ends
     for s in range(p):
         mine = [j for j, (r, _c) in enumerate(vs) if r == s]
         model.AddNoOverlap([iv[j, op, k] for j in mine for op, _d, _h in ops[j] for k in range(m)])
@@ -118,11 +119,12 @@ def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, la
         for j in mine:
             _order_and_hold(model, ops[j], j, m, start, end, horizon, held, demand, v)
         model.AddCumulative(held, demand, math.ceil(caps[s] * _MEM))
+        spans.append(_busy_span(model, ops, mine, m, start, end, horizon))
     # durations and demands rounded down, capacities up: the floor stays below the exact one
     _transfers(model, vs, m, start, end, horizon, _ticks(transfer_ms, down=True), _ticks(latency_ms, down=True))
     step = model.NewIntVar(0, horizon, "step")
     ends = [end[j, op, m - 1] for j in range(len(vs)) for op, _d, _h in ops[j]]
-    ends += _dp_sync(model, vs, m, ops, start, end, horizon, syncs)
+    ends += _dp_sync(model, vs, m, ops, start, end, horizon, syncs, spans)
     model.AddMaxEquality(step, ends)
     model.Minimize(step)
     solver = cp_model.CpSolver()
@@ -176,7 +178,20 @@ def _ops(times, split, piece, w_share):
     return out
 
 
-def _dp_sync(model, vs, m, ops, start, end, horizon, syncs) -> list:
+def _busy_span(model, ops, mine, m, start, end, horizon):
+    """When the stage's last gradient (B or W) ends, and the implied bound on it that the
+    solver's no-overlap propagation does not find by itself: every action of the stage starts
+    after the first forward of its first virtual stage (each kind in micro-batch order, every
+    later virtual stage's fed through it) and ends by its last gradient, one at a time, so that
+    span holds all of the stage's busy time."""
+    last = model.NewIntVar(0, horizon, "")
+    model.AddMaxEquality(last, [end[j, op, m - 1] for j in mine for op, _d, _h in ops[j] if op != "F"])
+    busy = m * sum(_ticks(d, down=True) for j in mine for _o, d, _h in ops[j])
+    model.Add(last >= start[mine[0], "F", 0] + busy)
+    return last
+
+
+def _dp_sync(model, vs, m, ops, start, end, horizon, syncs, spans) -> list:
     """The data-parallel constraints of the module docstring; the times the step must cover."""
     out = []
     for s, sync in enumerate(syncs):
@@ -186,8 +201,7 @@ def _dp_sync(model, vs, m, ops, start, end, horizon, syncs) -> list:
             model.Add(end[mine[-1], "F", 0] >= _ticks(sync.gather_total_ms, down=True))
         if not sync.reduce_ms:
             continue
-        grad_end = model.NewIntVar(0, horizon, "")
-        model.AddMaxEquality(grad_end, [end[j, op, m - 1] for j in mine for op, _d, _h in ops[j] if op != "F"])
+        grad_end = spans[s]
         last_b = model.NewIntVar(0, horizon, "")
         model.AddMinEquality(last_b, [start[j, "B", m - 1] for j in mine])
         r_start = model.NewIntVar(0, horizon, "")
