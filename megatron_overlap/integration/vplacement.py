@@ -87,6 +87,7 @@ def patch(inst) -> None:
         return on_stage0 and vp_stage == 1
 
     from megatron.core.pipeline_parallel import utils as pp_utils
+    from megatron.core.utils import get_pg_rank
 
     original_pp_last = pp_utils.is_pp_last_stage
 
@@ -94,7 +95,7 @@ def patch(inst) -> None:
     def is_pp_last_stage(pp_group):
         if parallel_state.get_virtual_pipeline_model_parallel_world_size() != 2:
             return original_pp_last(pp_group)
-        return pp_group.rank() == 0  # with is_vp_last_stage (vp_stage 1): stage 0's chunk 1, the V's end
+        return get_pg_rank(pp_group) == 0  # with is_vp_last_stage (vp_stage 1): stage 0's chunk 1, the V's end
 
     for original, ours in ((original_offset, get_transformer_layer_offset), (original_last, is_pipeline_last_stage),
                            (original_pp_last, is_pp_last_stage)):
