@@ -100,3 +100,89 @@ def test_durations_files_are_checked_naming_what_is_missing(tmp_path):
     blocks = durations.stage_work(durations.read(str(path), 2))
     assert [b.name for b in blocks[0]] == ["embedding", "stage 0 layer 0", "stage 0 layer 1"]
     assert [b.name for b in blocks[1]][-1] == "output layer" and sum(b.f_ms for b in blocks[1]) == 10.0
+
+
+def test_virtual_pipelines_on_the_emulated_cluster_reproduce_the_simulator(pool4):
+    """PP=2 x DP=2 with 2 model chunks per stage (issue 23), m = 4: Megatron's interleaved 1F1B,
+    our interleaved zb and ZB-V over Megatron's chunk DDPs and the distributed optimizer
+    (``align_param_gather``, every bucket's gather in flight at once) within 10% of the
+    simulator's per-chunk prediction; the same losses (the V's chunks carry the same virtual
+    stages' weights); zb ahead of stock as predicted; ZB-V below stock's peak memory; the
+    floor below every prediction."""
+    from dataclasses import asdict
+
+    from megatron_overlap.cli.bench_cluster import summarize
+    from megatron_overlap.lab.cluster import ClusterRanks
+    from megatron_overlap.lab.session import RemoteSession
+
+    cfg = ClusterConfig(pp=2, dp=2, microbatches=4, steps=3, warmup=1, exposed=False, vpp=2,
+                        modes=("stock", "zb", "zbv"))
+    ranks = RemoteSession(pool4, ClusterRanks, asdict(cfg))
+    try:
+        rounds = ranks.rounds(cfg.warmup, cfg.steps)
+    finally:
+        ranks.close()
+    assert {tuple(d["bucket_chunks"]) for d in ranks.started if d["stage"] == 1} == {(0, 1)}  # one bucket per chunk
+    result = summarize(cfg, rounds, ranks.started, floor_time_s=10)
+    modes = result["modes"]
+    for mode, r in modes.items():
+        assert abs(r["prediction_error"]) <= 0.10, (mode, r["step_ms"], r["predicted_step_ms"])
+    assert result["losses_identical"] and len(set(modes["stock"]["loss"])) == cfg.steps
+    assert modes["zb"]["predicted_step_ms"] < modes["stock"]["predicted_step_ms"]
+    assert modes["zb"]["step_ms"] < modes["stock"]["step_ms"]
+    assert modes["zbv"]["peak_microbatches"] < modes["stock"]["peak_microbatches"]
+    assert result["floor"]["bound_ms"] <= min(r["predicted_step_ms"] for r in modes.values()) + 1e-6
+
+
+def test_emulated_cluster_refuses_virtual_pipelines_it_cannot_run():
+    from megatron_overlap.cli.bench_cluster import BenchError, check
+
+    def refused(pattern, **kw):
+        with pytest.raises(BenchError, match=pattern):
+            check(ClusterConfig(**kw), cores=2, memory_gb=24)
+
+    refused(r"zbv needs exactly 2 model chunks per stage \(the V\), got --vpp 4", vpp=4, modes=("stock", "zbv"))
+    refused(r"zbv needs exactly 2 model chunks per stage \(the V\), got --vpp 1", modes=("stock", "zbv"))
+    refused(r"--microbatches 10 is not a multiple of --pp 4: Megatron's interleaved schedule", vpp=2, microbatches=10)
+    refused(r"llama3-70b's 80 layers do not divide into --pp 4 x --vpp 3 = 12 model chunks", vpp=3, microbatches=12)
+    refused(r"--schedules 1f1b-inflight with --vpp 2: virtual pipelines run stock, 1f1b, zb, zbv", vpp=2,
+            modes=("stock", "1f1b-inflight"))
+    refused(r"--vpp 0: model chunks per stage must be >= 1", vpp=0)
+    check(ClusterConfig(vpp=2, modes=("stock", "zb", "zbv")), cores=2, memory_gb=24)  # the benchmark's: fine
+
+
+def test_the_simulator_dispatches_each_chunks_buckets_after_its_last_gradient():
+    """One DDP per chunk: a chunk's buckets leave at the end of its last B (its last W when
+    split), or ``sync_delay`` backwards later (Megatron's interleaved stagger), one after the
+    other on the stage's data-parallel port; never later than the whole stage's sync after its
+    last gradient."""
+    from megatron_overlap.pp import build
+    from megatron_overlap.pp.simulate import DPSync, StageTimes, simulate
+
+    times = [StageTimes(10.0, 10.0, 10.0)] * 2
+    ms = {0: 7.0, 1: 5.0}
+    sync = DPSync(reduce_ms=(7.0, 5.0), reduce_chunks=(0, 1))
+    for kind, delay in (("megatron", 0), ("megatron", 1), ("zb", 0), ("zb", 1)):
+        schedule = build(kind, 2, 4, chunks=2)
+        sim = simulate(schedule, times, dp=[sync.replace(sync_delay=delay)] * 2)
+        grad = "W" if schedule.split else "B"
+        for s in range(2):
+            spans = sim.timeline[s]  # (label, start, end) of each compute, in order
+            chunk = [int(x[0].split("@")[1]) if "@" in x[0] else 0 for x in spans]
+            backwards = [i for i, x in enumerate(spans) if x[0].startswith("B")]
+            ready = {}
+            for c in (0, 1):
+                i = max(i for i, x in enumerate(spans) if x[0].startswith(grad) and chunk[i] == c)
+                if delay:
+                    k = backwards.index(max(j for j in backwards if chunk[j] == c)) + delay
+                    i = max(i, backwards[k] if k < len(backwards) else len(spans) - 1)
+                ready[c] = (i, spans[i][2])
+            port, want = 0.0, []
+            for c in sorted(ready, key=lambda c: ready[c]):
+                start = max(ready[c][1], port)
+                port = start + ms[c]
+                want.append(start)
+            got = [a for op, a, _b in sim.dp_spans[s] if op == "RS"]
+            assert got == want, (kind, delay, s, got, want)
+        whole = simulate(schedule, times, dp=[DPSync(reduce_ms=(7.0, 5.0))] * 2)
+        assert sim.step_ms <= whole.step_ms + 1e-9, kind

@@ -38,10 +38,12 @@ import sys
 from dataclasses import asdict, fields, replace
 
 from ..lab.cluster import ALL_MODES, MODES, ClusterConfig
+from .cluster_virtual import VIRTUAL_MODES, check_virtual, chunk_syncs, virtual_floor
 
 NAMES = {"stock": "stock Megatron 1F1B", "1f1b": "1f1b (async P2P)", "zb": "zb (ZB-H1, drained)",
-         "1f1b-inflight": "1f1b, K = 2p-1"}
-KINDS = {"stock": "megatron", "1f1b": "1f1b", "zb": "zb", "1f1b-inflight": "1f1b"}
+         "1f1b-inflight": "1f1b, K = 2p-1", "zbv": "zbv (ZB-V)"}
+KINDS = {"stock": "megatron", "1f1b": "1f1b", "zb": "zb", "1f1b-inflight": "1f1b", "zbv": "zbv"}
+
 RANKS_PER_CORE = 8  # emulated ranks one core serves with their wake-ups on time (BENCHMARKS.md, the lab check)
 RANK_MEMORY_GB = 0.6  # resident memory per emulated rank: 0.43 GB measured (RSS, PP=8, shared pages counted), plus margin
 FLOOR_MEMORY = 1.05
@@ -124,6 +126,7 @@ def check(cfg: ClusterConfig, ranks: int = 0, cores: int = 0, memory_gb: float =
         layers = get_model(cfg.model).layers
         if layers < cfg.pp:
             raise BenchError(f"{cfg.model} has {layers} layers, fewer than --pp {cfg.pp} stages")
+    check_virtual(cfg, 0 if cfg.durations else layers, BenchError)
     link_spec(cfg, modelled(cfg)[2], 1.0).check_world(cfg.world)
 
 
@@ -167,8 +170,9 @@ def predict(cfg: ClusterConfig, described: list) -> dict:
     for mode in cfg.modes:
         kind = KINDS[mode]
         k = min(cfg.microbatches, 2 * cfg.pp - 1) if mode == "1f1b-inflight" else 0
-        schedule = build(kind, cfg.pp, cfg.microbatches, k, times=times if kind == "zb" else (1.0, 1.0, 1.0))
-        dp = syncs if kind == "megatron" else [d.replace(gather_at_start=True) for d in syncs]
+        schedule = build(kind, cfg.pp, cfg.microbatches, k, times=times if kind in ("zb", "zbv") else (1.0, 1.0, 1.0),
+                         chunks=cfg.vpp)
+        dp = chunk_syncs(syncs, kind, cfg.vpp)
         on = simulate(schedule, costs.times, link, dp)
         no_dp = simulate(schedule, costs.times, link)
         alone = simulate(schedule, costs.times, free)
@@ -191,12 +195,16 @@ def stage_syncs(cfg: ClusterConfig, costs, described: list, hw) -> list:
     for stage in range(cfg.pp):
         d = by_stage[stage]
         sizes = [n / d["scale"] for n in d["buckets"]]
+        chunks = d.get("bucket_chunks") or []
         reduce = reduce_scatter_cost if cfg.distributed_optimizer else all_reduce_cost
         rs = [reduce(4.0 * n, cfg.dp, link) for n in sizes]
-        ag = [all_gather_cost(hw.dtype_bytes * n, cfg.dp, link) for n in reversed(sizes)] \
+        # parameters in the order the forward needs them: each chunk's buckets reversed, chunk by chunk
+        order = sorted(range(len(sizes)), key=lambda i: (chunks[i], -i)) if chunks else list(reversed(range(len(sizes))))
+        ag = [all_gather_cost(hw.dtype_bytes * sizes[i], cfg.dp, link) for i in order] \
             if cfg.distributed_optimizer else []
         out.append(DPSync(reduce_ms=tuple(c.busy_ms for c in rs), gather_ms=tuple(c.busy_ms for c in ag),
-                          latency_ms=rs[0].latency_ms))
+                          latency_ms=rs[0].latency_ms, reduce_chunks=tuple(chunks),
+                          gather_chunks=tuple(chunks[i] for i in order) if chunks and ag else ()))
     return out
 
 
@@ -223,7 +231,8 @@ def summarize(cfg: ClusterConfig, rounds: list, described: list, floor_time_s: f
              "cpu_ms": statistics.median(1e3 * max(x[mode]["link"]["cpu_s"] for x in pr) for pr in rounds),
              "optimizer_ms": statistics.median(1e3 * max(x[mode]["link"]["optimizer_s"] for x in pr) for pr in rounds),
              "peak_microbatches": max(x[mode]["link"]["peak_microbatches"] for pr in rounds for x in pr),
-             "loss": [next(x for x in pr if x["stage"] == cfg.pp - 1)[mode]["link"]["loss"] for pr in rounds],
+             "loss": [next(x for x in pr if x[mode]["link"].get("has_loss", x["stage"] == cfg.pp - 1))[mode]["link"]
+                      ["loss"] for pr in rounds],
              "bytes": max(x[mode]["link"]["bytes"] for x in rounds[-1])}
         r["cpu_share"] = r["cpu_ms"] / r["step_ms"]
         r["peak_activation_gb"] = r["peak_microbatches"] * costs.activation_bytes / 1e9
@@ -240,7 +249,8 @@ def summarize(cfg: ClusterConfig, rounds: list, described: list, floor_time_s: f
         result["modes"][mode] = r
     losses = [tuple(r["loss"]) for r in result["modes"].values()]
     result["losses_identical"] = len(set(losses)) == 1
-    result["floor"] = _floor(cfg, costs, pred["syncs"], floor_time_s)
+    result["floor"] = virtual_floor(cfg, costs, pred["syncs"], floor_time_s) if cfg.vpp > 1 else \
+        _floor(cfg, costs, pred["syncs"], floor_time_s)
     result["post_validation_ms"] = post_validation_ms(pred["modes"]["zb"]["simulation"]) if "zb" in cfg.modes else None
     for r in result["modes"].values():
         fl = result["floor"]
@@ -292,11 +302,14 @@ def add_emulate_args(parser) -> None:
                    "model's for --model / --hardware")
     g.add_argument("--tp-strategy", default=None,
                    help="the TP strategy inside each stage the cost model times (default megatron: stock TP)")
+    g.add_argument("--vpp", type=int, default=None,
+                   help="model chunks per stage (virtual pipelines): stock is then Megatron's interleaved 1F1B "
+                   f"(default 1; schedules {', '.join(VIRTUAL_MODES)}, zbv needs 2)")
     g.add_argument("--floor-time-limit", type=float, default=120.0, help="CP-SAT seconds for the floor")
 
 
 EMULATE_ONLY = ("dp", "ranks", "model", "hardware", "tp", "scale", "node_size", "schedules", "tp_strategy",
-                "durations")
+                "durations", "vpp")
 REAL_ONLY = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "comm_ratio", "latency_us")
 
 
@@ -311,7 +324,8 @@ def emulate_main(args) -> int:
     for name, attr in (("pp", "pp"), ("microbatches", "microbatches"), ("steps", "steps"), ("warmup", "warmup"),
                        ("dp", "dp"), ("model", "model"), ("hardware", "hardware"), ("tp", "tp"),
                        ("scale", "scale"), ("node_size", "node_size"), ("seq", "seq"),
-                       ("micro_batch", "micro_batch"), ("tp_strategy", "tp_strategy"), ("durations", "durations")):
+                       ("micro_batch", "micro_batch"), ("tp_strategy", "tp_strategy"), ("durations", "durations"),
+                       ("vpp", "vpp")):
         v = getattr(args, attr, None)
         if v is not None:
             values[name] = v
@@ -326,6 +340,8 @@ def emulate_main(args) -> int:
         if bad or not modes:
             raise BenchError(f"--schedules {args.schedules!r}: choose from {', '.join(ALL_MODES)}")
         values["modes"] = modes
+    elif (values["vpp"] or 1) > 1:
+        values["modes"] = VIRTUAL_MODES if values["vpp"] == 2 else VIRTUAL_MODES[:3]
     cfg = ClusterConfig(**values)
     check(cfg, ranks=args.ranks or 0)
     result = run(cfg, progress=not args.no_progress, timeline_png=args.timeline, floor_time_s=args.floor_time_limit)

@@ -4,18 +4,25 @@ from __future__ import annotations
 
 from ..lab.cluster import ClusterConfig
 from .bench_cluster import FLOOR_MEMORY, NAMES
+from .cluster_virtual import VIRTUAL_NAMES
+
+
+def _names(cfg) -> dict:
+    return VIRTUAL_NAMES if (cfg["vpp"] if isinstance(cfg, dict) else cfg.vpp) > 1 else NAMES
 
 
 def format_table(result: dict) -> str:
     cfg = result["config"]
     t = result["times_ms"]
     link = result["link"]
+    names = _names(cfg)
     lines = [
         f"emulated cluster (times, not numerics): "
         + (f"durations measured on this CPU ({cfg['durations']})" if cfg.get("durations") else
            f"{cfg['model']} on {cfg['hardware']}, TP={cfg['tp']} folded into each rank")
         + f", PP={cfg['pp']} x DP={cfg['dp']} = {cfg['pp'] * cfg['dp']} ranks on this machine, m = "
-        f"{cfg['microbatches']}, {cfg['steps']} rounds (medians)",
+        f"{cfg['microbatches']}"
+        + (f", {cfg['vpp']} model chunks per stage" if cfg.get("vpp", 1) > 1 else "") + f", {cfg['steps']} rounds (medians)",
         f"compute: {'the measured' if cfg.get('durations') else 'the cost model' + chr(39) + 's'} F/B/W per block as "
         "waits; per stage F/B/W ms per micro-batch: "
         + "; ".join(f"{x['f']:.1f}/{x['b']:.1f}/{x['w']:.1f}" for x in t),
@@ -28,22 +35,28 @@ def format_table(result: dict) -> str:
         f"{max(result['dp_reduce_ms']):.1f} ms, parameters all-gathered {max(result['dp_gather_ms']):.1f} ms "
         f"(largest stage; Megatron DDP buckets per stage: {result['buckets_per_stage']})",
         "",
-        f"{'':22}{'step ms':>9}{'vs stock':>9}{'bubble':>8}{'exp. P2P':>10}{'exp. DP':>9}{'act GB':>8}"
+        f"{'':32}{'step ms':>9}{'vs stock':>9}{'bubble':>8}{'exp. P2P':>10}{'exp. DP':>9}{'act GB':>8}"
         f"{'CPU ms':>8}{'CPU':>6}{'predicted':>11}{'error':>7}{'x floor':>8}",
     ]
     for mode, r in result["modes"].items():
         lines.append(
-            f"{NAMES[mode]:22}{r['step_ms']:>9.1f}{r.get('speedup', 1.0):>8.2f}x{100 * r['bubble']:>7.1f}%"
+            f"{names[mode]:32}{r['step_ms']:>9.1f}{r.get('speedup', 1.0):>8.2f}x{100 * r['bubble']:>7.1f}%"
             f"{r.get('p2p_exposed_ms', float('nan')):>10.1f}{r.get('dp_exposed_ms', float('nan')):>9.1f}"
             f"{r['peak_activation_gb']:>8.1f}{r['cpu_ms']:>8.0f}{100 * r['cpu_share']:>5.1f}%"
             f"{r['predicted_step_ms']:>11.1f}{100 * r['prediction_error']:>+6.1f}%"
             + (f"{r['vs_floor']:>8.3f}" if r.get("vs_floor") else f"{'-':>8}"))
     lines.append("simulated (pp/simulate.py, this run's F/B/W, link and buckets): " + "; ".join(
-        f"{NAMES[m]} exposed P2P {r['predicted_p2p_exposed_ms']:.1f} ms, DP {r['predicted_dp_exposed_ms']:.1f} ms"
+        f"{names[m]} exposed P2P {r['predicted_p2p_exposed_ms']:.1f} ms, DP {r['predicted_dp_exposed_ms']:.1f} ms"
         for m, r in result["modes"].items()))
     fl = result["floor"]
     if "error" in fl:
         lines.append(f"floor: not computed ({fl['error']})")
+    elif "placement" in fl:
+        lines.append(f"floor (simulated, pp/optimal.py over the interleaved and V placements, the DP sync relaxed to "
+                     f"stay a bound (cli/cluster_virtual.py), within {FLOOR_MEMORY}x stock interleaved's activation "
+                     f"memory): {fl['bound_ms']:.1f} ms ({fl['placement']})"
+                     + ("" if fl["optimal"] else f" (proved bound; best found {fl['step_ms']:.1f} ms)"
+                        if fl["step_ms"] < float("inf") else " (proved bound; the solver found no schedule in time)"))
     else:
         lines.append(f"floor (simulated, pp/optimal.py with the DP sync, within {FLOOR_MEMORY}x 1F1B's activation "
                      f"memory): {fl['bound_ms']:.1f} ms" + ("" if fl["optimal"] else
@@ -84,7 +97,7 @@ def draw_timeline(per_rank: list, cfg: ClusterConfig, path: str) -> str:
             busy = _merge([(1e3 * a, 1e3 * b) for _o, a, b in trace["compute"]])
             rows.append((f"stage {s} idle", "idle", timeline.subtract((0.0, 1e3 * r[mode]["link"]["schedule_s"]),
                                                                         busy)))
-        panels.append(timeline.Panel(f"{NAMES[mode]} (measured, emulated cluster)", width, rows))
+        panels.append(timeline.Panel(f"{_names(cfg)[mode]} (measured, emulated cluster)", width, rows))
     return timeline.draw(panels, path, title=f"PP={cfg.pp} x DP={cfg.dp}, m={cfg.microbatches}, {cfg.model} on "
                          f"{cfg.hardware} (emulated): one step per stage", columns=1)
 

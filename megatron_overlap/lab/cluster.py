@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 MODES = ("stock", "1f1b", "zb")
-ALL_MODES = MODES + ("1f1b-inflight",)  # 1f1b with K = 2p - 1 micro-batches in flight (asked for by name)
+ALL_MODES = MODES + ("1f1b-inflight", "zbv")  # 1f1b with K = 2p - 1 in flight; ZB-V (vpp = 2): asked for by name
 TARGET_ELEMENTS = 500_000  # parameter elements of the largest stage after scaling: gloo moves real bytes with real CPU
 VARIANTS = ("link", "dp free", "free")
 
@@ -65,6 +65,7 @@ class ClusterConfig:
     exposed: bool = True
     modes: tuple = MODES
     seed: int = 0
+    vpp: int = 1  # model chunks per stage (lab/cluster_chunks.py): stock is then Megatron's interleaved 1F1B
 
     @property
     def world(self) -> int:
@@ -173,10 +174,21 @@ class _Replica:
         config.grad_scale_func = self.optimizer.scale_loss
         self.config = config
         self.module = module
+        self.models = [self.ddp]
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
 
     def bucket_numels(self) -> list:
         """Elements per DDP bucket (gradient buffers), in the order the backward fills them."""
         return [b.numel_unpadded for buf in self.ddp.buffers for b in buf.buckets]
+
+    def bucket_chunks(self) -> list:
+        return []
+
+    def parameters(self):
+        return list(self.module.parameters())
 
 
 START_MARGIN_S = 0.03  # every rank idle before the step: no rank's wake-up delays another's first op
@@ -204,6 +216,12 @@ def _dp_groups(ddp) -> list:
             if group is not None:
                 out.append(group)
     return out
+
+
+def _virtual(v: int):
+    from .cluster_chunks import virtual_pipeline
+
+    return virtual_pipeline(v) if v > 1 else contextlib.nullcontext()
 
 
 class ClusterRanks:
@@ -241,7 +259,11 @@ class ClusterRanks:
 
         self.devices = CPUDevices()
         self.device = Device(self.clock)
-        self.replicas = {mode: _Replica(cfg, self.blocks, self.shape, self.device, self.scale) for mode in cfg.modes}
+        from .cluster_chunks import ChunkReplica
+
+        self.replicas = {mode: ChunkReplica(cfg, mode, self.blocks, self.shape, self.device, self.scale)
+                         if cfg.vpp > 1 else _Replica(cfg, self.blocks, self.shape, self.device, self.scale)
+                         for mode in cfg.modes}
         self.spec = link_spec(cfg, hw, self.scale)
         self.spec.check_world(cfg.world)
         self.link = EmulatedLink(self.spec).install()
@@ -250,13 +272,14 @@ class ClusterRanks:
         from .link_spec import LinkSpec
 
         self.free_spec = LinkSpec(bandwidth_GBps=1e9, latency_us=0.0, ports="group")
-        self.dp_channels = tuple({self.link._channel(g) for rep in self.replicas.values() for g in _dp_groups(rep.ddp)})
+        self.dp_channels = tuple({self.link._channel(g) for rep in self.replicas.values() for d in rep.models
+                                  for g in _dp_groups(d)})
 
     def describe(self) -> dict:
         rep = next(iter(self.replicas.values()))
         return {"stage": self.stage, "dp_rank": self.dp_rank, "scale": self.scale, "rows": self.shape.rows,
-                "buckets": rep.bucket_numels(), "link": self.spec.as_dict(),
-                "params": sum(p.numel() for p in rep.module.parameters()),
+                "buckets": rep.bucket_numels(), "bucket_chunks": rep.bucket_chunks(), "link": self.spec.as_dict(),
+                "params": sum(p.numel() for p in rep.parameters()),
                 "act_bytes": self.shape.act_elements * 2}
 
     # -- one step -------------------------------------------------------------------------------
@@ -276,12 +299,12 @@ class ClusterRanks:
         else:
             pp = PPConfig(mode=mode)
         inst = megatron_overlap.install(OverlapConfig(pp=pp))
-        if mode == "zb":
+        if mode in ("zb", "zbv"):
             inst.pp_times = self.placement
         return inst
 
     def _step(self, mode: str, step: int, record: bool = False) -> dict:
-        from megatron.core import parallel_state, pipeline_parallel
+        from megatron.core import pipeline_parallel
 
         import megatron_overlap
         from .emulated_model import data
@@ -308,16 +331,18 @@ class ClusterRanks:
         self.link.record_spans = record
         # Megatron-LM's step zeroes the buffers first (a device memset on a GPU); here before the
         # clock starts, with the install and the data, so that no rank's CPU setup delays another's
-        rep.ddp.zero_grad_buffer()
-        rep.optimizer.zero_grad()
-        schedule = pipeline_parallel.get_forward_backward_func()  # looked up now: the install replaces it
-        data_iterator = iter(batches)
+        rep.zero_grad()
+        v = self.cfg.vpp
+        with _virtual(v):
+            schedule = pipeline_parallel.get_forward_backward_func()  # looked up now: the install replaces it
+        data_iterator = [iter(batches) for _ in range(v)] if v > 1 else iter(batches)
         t0 = _common_start()
         c0 = time.thread_time()
-        out = schedule(
-            forward_step_func=forward_step, data_iterator=data_iterator, model=[rep.ddp],
-            num_microbatches=self.cfg.microbatches, seq_length=self.shape.rows,
-            micro_batch_size=self.shape.micro_batch, forward_only=False)
+        with _virtual(v):
+            out = schedule(
+                forward_step_func=forward_step, data_iterator=data_iterator, model=rep.models,
+                num_microbatches=self.cfg.microbatches, seq_length=self.shape.rows,
+                micro_batch_size=self.shape.micro_batch, forward_only=False)
         self.clock.sync()
         t_sched = time.perf_counter()
         with self.devices:  # Megatron's optimizer makes its scalars on "cuda"
@@ -327,11 +352,13 @@ class ClusterRanks:
         stats = self.link.reset()
         megatron_overlap.uninstall()
         loss = torch.zeros(())
-        if parallel_state.is_pipeline_last_stage():
+        has_loss = bool(out) and all("loss" in d for d in out)  # the stage with the model's last layer
+        if has_loss:
             loss = torch.stack([d["loss"] for d in out]).mean()
         self.device.store = None
         r = {"wall_s": t1 - t0, "schedule_s": t_sched - t0, "optimizer_s": t1 - t_sched, "cpu_s": c1 - c0, "busy_s": self.clock.busy_s, "peak_microbatches": self.device.peak,
-             "loss": loss.item(), "blocked": dict(stats.blocked_by_op), "bytes": stats.total_bytes}
+             "loss": loss.item(), "has_loss": has_loss, "blocked": dict(stats.blocked_by_op),
+             "bytes": stats.total_bytes}
         if record:
             r["trace"] = {"compute": [(k, a - t0, b - t0) for k, a, b in self.clock.spans],
                           "link": [(x.op, x.start - t0, x.done - t0) for x in stats.spans],

@@ -21,6 +21,10 @@ egress port is free to start it, and waiting for it costs no CPU (the waiting th
   block ends: the link counts each, books the port for their sum when the block ends, and the
   coalesced work (``cm.wait()``, or the block's own end when synchronous) returns no earlier than
   that deadline;
+  on gloo an asynchronous block's collectives run as separate asynchronous ops instead (the same
+  bytes, one booking): torch 2.13's coalesced gloo all-gathers, dozens outstanding at once (Megatron's
+  ``align_param_gather`` dispatches every bucket's at the step's start) beside P2P on another group,
+  corrupt the heap (``scripts/gloo_coalesced_crash.py``);
 - torch's two names of a collective (``all_gather_into_tensor`` calls ``all_gather_single``,
   ``reduce_scatter_tensor`` calls ``reduce_scatter_single``) count once: an alias calling the
   other passes through.
@@ -73,6 +77,13 @@ _COLLECTIVES = (
 _P2P = ("isend", "irecv")
 _COALESCING = "_coalescing_manager"
 _REBIND_PREFIXES = ("megatron", "megatron_overlap")
+
+
+class _Batch(list):
+    """The collectives of one open coalescing block, ``(op, bytes, messages)``; ``cm``: where
+    they run as separate ops (gloo, asynchronous), else None."""
+
+    cm = None
 
 
 class EmulatedLink:
@@ -204,11 +215,17 @@ class EmulatedLink:
             if batch is not None:  # torch only records it; the coalesced op runs at the block's end
                 if nbytes:
                     batch.append((name, nbytes, messages))
+                if batch.cm is not None:  # gloo, asynchronous: a separate op (module docstring)
+                    bound.arguments["async_op"] = True
                 link._local.inside = True
                 try:
-                    return original(*bound.args, **bound.kwargs)
+                    real = original(*bound.args, **bound.kwargs)
                 finally:
                     link._local.inside = False
+                if batch.cm is None:
+                    return real
+                batch.cm.append(real)
+                return None
             group = bound.arguments.get("group")
             deadline = link._reserve(name, nbytes, messages, group=group) if nbytes else time.perf_counter()
             bound.arguments["async_op"] = True
@@ -233,14 +250,17 @@ class EmulatedLink:
         @contextlib.contextmanager
         def coalescing(group=None, device=None, async_ops=False):
             owner = group if group is not None else c10d._get_default_group()
-            batch: list = []
+            batch = _Batch()
             stack = getattr(link._local, "coalescing", None)
             if stack is None:
                 stack = link._local.coalescing = []
             stack.append((owner, batch))
             deadline = None
+            separate = async_ops and dist.get_backend(owner) == "gloo"
             try:
-                with original(group, device, async_ops) as cm:
+                with contextlib.nullcontext(c10d._CoalescingManager()) if separate else \
+                        original(group, device, async_ops) as cm:
+                    batch.cm = cm if separate else None
                     yield cm
                     stack.pop()
                     deadline = link._reserve_batch(batch, group)  # booked as the coalesced op is issued

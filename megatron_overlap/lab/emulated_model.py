@@ -254,11 +254,12 @@ def _megatron_module():
 
 
 class EmulatedStage(_megatron_module()):
-    """This rank's pipeline stage: its blocks in order, Megatron's ``set_input_tensor``
-    contract, per-token losses on the last stage."""
+    """This rank's pipeline stage (or one model chunk of it, holding ``unit`` of a stage's
+    micro-batch of activations): its blocks in order, Megatron's ``set_input_tensor`` contract,
+    per-token losses on the last stage."""
 
     def __init__(self, config, blocks: Sequence[BlockWork], shape: EmulatedShape, device: Device,
-                 first: bool, last: bool, seed: int = 0):
+                 first: bool, last: bool, seed: int = 0, unit: float = 1.0):
         super().__init__(config=config)
         from megatron.core.enums import ModelType
 
@@ -268,7 +269,7 @@ class EmulatedStage(_megatron_module()):
         mods = []
         for i, work in enumerate(blocks):
             kind = "embedding" if first and i == 0 else "head" if last and i == len(blocks) - 1 else "layer"
-            mods.append(EmulatedBlock(work, shape.scale, dtype, device, kind, 1.0 / n_layers, seed * 1000 + i))
+            mods.append(EmulatedBlock(work, shape.scale, dtype, device, kind, unit / n_layers, seed * 1000 + i))
         self.blocks = torch.nn.ModuleList(mods)
         self.first, self.last = first, last
         self.pre_process, self.post_process = first, last  # what Megatron's finalize_model_grads reads

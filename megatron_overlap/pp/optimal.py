@@ -77,13 +77,15 @@ def _solver_module():
 def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, latency_ms: float = 0.0,
           memory: Optional[Sequence[float] | float] = None, w_share: float = 0.5, split: bool = True,
           piece: Optional[Tuple[float, float]] = None, time_limit_s: float = 60.0,
-          dp: Sequence[DPSync] | DPSync = (), placement: Sequence[Tuple[int, int]] = ()) -> Floor:
+          dp: Sequence[DPSync] | DPSync = (), placement: Sequence[Tuple[int, int]] = (),
+          bound_only: bool = False) -> Floor:
     """The shortest step over every schedule of ``len(times)`` stages and ``microbatches``
     micro-batches in the model above. ``memory``: activations a stage may hold (a number, or
     one per stage; default: 1F1B's peak, ``p`` on every stage). ``placement``: a virtual
     pipeline, (stage, chunk) of every virtual stage (``pp/chunks.py``): a chunk takes ``1 / v``
     of its stage's times and holds ``1 / v`` of its activation, a hand-over between two chunks
-    of one stage takes no link."""
+    of one stage takes no link. ``bound_only``: where the solver finds no schedule in time, the
+    bound it proved is still returned (``step_ms`` infinite, no orders)."""
     cp_model = _solver_module()
     p, m = len(times), microbatches
     if p < 2 or m < 1:
@@ -131,6 +133,10 @@ def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, la
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 2
     status = solver.Solve(model)
+    busy = [m * sum(d for j, (r, _c) in enumerate(vs) if r == s for _o, d, _h in ops[j]) for s in range(p)]
+    if status == cp_model.UNKNOWN and bound_only and solver.BestObjectiveBound() > 0:
+        return Floor(step_ms=math.inf, bound_ms=solver.BestObjectiveBound() / _TIME, optimal=False, busy_ms=busy,
+                     orders=[])
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise RuntimeError(f"the solver found no schedule within {time_limit_s:g} s ({solver.StatusName(status)})")
     label = (lambda j, op, k: f"{op}{k}") if v == 1 else (lambda j, op, k: f"{op}{k}@{vs[j][1]}")
@@ -138,7 +144,6 @@ def floor(times: Sequence[StageTimes], microbatches: int, transfer_ms: float, la
                                                           for j, (r, _c) in enumerate(vs) if r == s
                                                           for op, _d, _h in ops[j] for k in range(m))]
               for s in range(p)]
-    busy = [m * sum(d for j, (r, _c) in enumerate(vs) if r == s for _o, d, _h in ops[j]) for s in range(p)]
     return Floor(step_ms=solver.Value(step) / _TIME, bound_ms=solver.BestObjectiveBound() / _TIME,
                  optimal=status == cp_model.OPTIMAL, busy_ms=busy, orders=orders)
 

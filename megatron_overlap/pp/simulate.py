@@ -26,6 +26,11 @@ Assumptions (the cost model's, and the emulated link's on CPU):
     forward's hook (Megatron's non-interleaved schedule), bucket k + 1 when the forward has
     waited for bucket k; the forward's share of a bucket's layers runs once it is gathered.
 
+  * virtual pipelines with one DDP per model chunk (``DPSync.reduce_chunks``, Megatron-LM's
+    ``get_model`` with ``--virtual-pipeline-model-parallel-size``): each chunk's buckets are
+    dispatched together when its last gradient is in, or ``sync_delay`` backwards later, and each
+    chunk's first forward waits for its own parameter buckets (``_ChunkDP``).
+
   The step ends when every stage has finished its actions and its reductions (the optimizer
   step that follows synchronises the stages: gradient clipping's norm).
 
@@ -69,6 +74,12 @@ class DPSync:
     gather_ms: Tuple[float, ...] = ()
     latency_ms: float = 0.0
     gather_at_start: bool = False
+    # virtual pipelines (one DDP per model chunk): the chunk of each reduce and gather bucket;
+    # ``sync_delay``: a chunk's buckets leave that many backwards after its last one (Megatron's
+    # interleaved schedule staggers them by the pipeline rank); see ``_ChunkDP``
+    reduce_chunks: Tuple[int, ...] = ()
+    gather_chunks: Tuple[int, ...] = ()
+    sync_delay: int = 0
 
     def __post_init__(self):
         if any(x < 0 for x in self.reduce_ms + self.gather_ms) or self.latency_ms < 0:
@@ -125,9 +136,9 @@ def simulate(schedule: Schedule, times: Sequence[StageTimes], link: LinkCost = L
     port = [0.0] * p  # when each rank's egress port is free
     sent: Dict[Tuple[int, Comm], Tuple[float, float]] = {}  # (sender, its SEND) -> (leaves, arrives)
     timeline: List[List[Tuple[str, float, float]]] = [[] for _ in range(p)]
-    dp_state = [_DPState(sync) for sync in syncs]
+    dp_state = [_ChunkDP(sync, schedule, s) if sync.reduce_chunks else _DPState(sync) for s, sync in enumerate(syncs)]
     segments = [grad_segment(schedule, s) for s in range(p)]
-    first_f = [next((i for i, a in enumerate(schedule.actions[s]) if a.op == F), None) for s in range(p)]
+    first_f = [_first_forwards(schedule, s, bool(syncs[s].reduce_chunks)) for s in range(p)]
     wire = link.latency_ms + link.transfer_ms
     while any(ptr[s] < len(schedule.actions[s]) for s in range(p)):
         moved = False
@@ -157,8 +168,8 @@ def simulate(schedule: Schedule, times: Sequence[StageTimes], link: LinkCost = L
                     t = times[s]
                     dur = {F: t.f, B: t.b if schedule.split else t.b + t.w, W: t.w}[a.op] / schedule.chunks
                     start = clock[s]
-                    if i == first_f[s]:
-                        start = dp_state[s].forward(start, dur)
+                    if i in first_f[s]:
+                        start = dp_state[s].forward(start, dur, a.chunk)
                         end = dp_state[s].forward_end
                     else:
                         end = start + dur
@@ -215,7 +226,7 @@ class _DPState:
         self.spans.append((kind, start, done))
         return done
 
-    def forward(self, start: float, dur: float) -> float:
+    def forward(self, start: float, dur: float, chunk: int = 0) -> float:
         """The step's first forward, starting at ``start`` (its input in hand): its parameter
         buckets gathered in order, each bucket's share of the forward once it is in. Returns
         when the forward's compute began (``forward_end`` is set to its end)."""
@@ -284,3 +295,70 @@ def grad_segment(schedule: Schedule, s: int) -> Optional[Tuple[int, int]]:
     if drain == "w" and trailing:
         return trailing[0], trailing[-1]
     return ws[-1], ws[-1]
+
+
+def _first_forwards(schedule: Schedule, s: int, per_chunk: bool) -> set:
+    """Indices of the forwards that wait for parameters: the stage's first, or each chunk's."""
+    firsts: Dict[int, int] = {}
+    for i, a in enumerate(schedule.actions[s]):
+        if a.op == F and (a.chunk if per_chunk else 0) not in firsts:
+            firsts[a.chunk if per_chunk else 0] = i
+    return set(firsts.values())
+
+
+class _ChunkDP(_DPState):
+    """A stage of a virtual pipeline with one DDP per model chunk (``DPSync.reduce_chunks``):
+    as Megatron's interleaved schedule drives them (``align_grad_reduce`` and
+    ``align_param_gather``, its defaults), a chunk's gradient buckets are all dispatched when its
+    last gradient is in (the end of its last B, or of its last W in a split schedule), or
+    ``sync_delay`` backwards later; those of a chunk that never reaches that point at the stage's
+    last compute. Parameter buckets: chunks 0 and 1 all dispatched at the step's start
+    (``gather_at_start``, else at their first forward), a later chunk's at its first forward;
+    a chunk's first forward runs each bucket's share once it is gathered."""
+
+    def __init__(self, sync: DPSync, schedule: Schedule, s: int):
+        super().__init__(sync.replace(gather_at_start=False))
+        self.sync = sync
+        acts = schedule.actions[s]
+        grad = W if schedule.split else B
+        last = {a.chunk: i for i, a in enumerate(acts) if a.op == grad}
+        backwards = [i for i, a in enumerate(acts) if a.op == B]
+        compute = [i for i, a in enumerate(acts) if a.op in COMPUTE]
+        self.ready_at: Dict[int, List[int]] = {}
+        for c, i in last.items():
+            if sync.sync_delay:
+                k = backwards.index(max(j for j in backwards if acts[j].chunk == c)) + sync.sync_delay
+                i = max(i, backwards[k] if k < len(backwards) else compute[-1])
+            self.ready_at.setdefault(i, []).append(c)
+        self.gathered: Dict[int, List[float]] = {}
+        if sync.gather_ms and sync.gather_at_start:
+            for c in sorted(set(sync.gather_chunks))[:2]:
+                self._gather(c, 0.0)
+
+    def _gather(self, chunk: int, ready: float) -> List[float]:
+        self.gathered[chunk] = [self._book("AG", ready, ms) for ms, c in zip(self.sync.gather_ms, self.sync.gather_chunks)
+                                if c == chunk]
+        return self.gathered[chunk]
+
+    def forward(self, start: float, dur: float, chunk: int = 0) -> float:
+        sizes = [ms for ms, c in zip(self.sync.gather_ms, self.sync.gather_chunks) if c == chunk]
+        if not sizes:
+            self.forward_end = start + dur
+            return start
+        done = self.gathered.get(chunk) or self._gather(chunk, start)
+        total = sum(sizes)
+        t, began = start, None
+        for d, ms in zip(done, sizes):
+            if d > t:
+                self.gather_wait += d - t
+                t = d
+            began = t if began is None else began
+            t += dur * (ms / total if total else 1.0 / len(sizes))
+        self.forward_end = t
+        return began
+
+    def segment(self, index: int, seg, start: float, end: float) -> None:
+        for c in self.ready_at.get(index, ()):
+            for ms, bc in zip(self.sync.reduce_ms, self.sync.reduce_chunks):
+                if bc == c:
+                    self.reduce_end = max(self.reduce_end, self._book("RS", end, ms))
