@@ -1,7 +1,7 @@
 """Megatron-LM's own ``pretrain_gpt.py`` on a CPU, for the integration tests.
 
     torchrun --nproc-per-node 2 -m megatron_overlap.lab.megatron_lm_cpu LOSSES.json {stock,plugin} \\
-        path/to/pretrain_gpt.py <Megatron-LM arguments> [<overlap flags>]
+        path/to/pretrain_gpt.py <Megatron-LM arguments> [<overlap flags>] [--lab-init-by-layer]
 
 Runs the script unmodified (``plugin``: through ``megatron-overlap run``'s hook; ``stock``:
 as it is) after mapping the places where Megatron-LM's training loop assumes CUDA onto the CPU,
@@ -28,7 +28,12 @@ The shims, each for one reason (``shared/third_party/megatron-lm/README.md`` lis
   optimizer;
 - ``TORCH_COMPILE_DISABLE=1``: ``megatron.core.jit.jit_fuser`` is ``torch.compile``;
 - ``deallocate_pipeline_outputs`` off: freeing a stage's output under an asynchronous gloo send
-  sends freed memory (``_keep_pipeline_outputs``).
+  sends freed memory (``_keep_pipeline_outputs``);
+- ``--lab-init-by-layer`` (taken out before the script sees its arguments): every weight
+  matrix drawn again after ``get_model`` from a seed of its place in the whole model (its
+  global layer number and its name in the layer), so that two layouts that put a layer on
+  another stage start from the same model (Megatron seeds each stage's initialisation by its
+  pipeline rank): ZB-V against stock interleaved (``_init_by_layer``).
 
 Lab code: it patches the world for a test and is never imported by the product.
 """
@@ -116,6 +121,45 @@ def _keep_pipeline_outputs(arguments) -> None:
             module.core_transformer_config_from_args = core_transformer_config_from_args
 
 
+def _init_by_layer() -> None:
+    """See the module docstring. Biases and norms keep Megatron's constants."""
+    import zlib
+
+    from megatron.training import training
+
+    original = training.get_model
+
+    def get_model(*args, **kwargs):
+        models = original(*args, **kwargs)
+        for chunk in models:
+            for key, param in sorted(_global_names(chunk).items()):
+                if param.dim() >= 2:
+                    g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+                    with torch.no_grad():
+                        param.copy_(0.02 * torch.randn(param.shape, generator=g, dtype=torch.float32))
+        return models
+
+    training.get_model = get_model
+
+
+def _global_names(chunk) -> dict:
+    """{name in the whole model: parameter} of one model chunk: a transformer layer's by its
+    ``layer_number`` (global, from Megatron's layer offset), the rest by its module path."""
+    named, seen = {}, set()
+    for _name, module in chunk.named_modules():
+        number = getattr(module, "layer_number", None)
+        if isinstance(number, int) and hasattr(module, "self_attention"):
+            for pname, param in module.named_parameters():
+                named[f"layer{number}.{pname}"] = param
+                seen.add(id(param))
+    for name, param in chunk.named_parameters():
+        if id(param) not in seen:
+            while name.startswith("module."):
+                name = name[len("module."):]
+            named[name] = param
+    return named
+
+
 def _record_losses(path: str) -> None:
     """Wrap ``train_step`` where ``train`` looks it up: the reduced losses of each iteration,
     and the plugin's patched calls, go to ``path.rank<r>`` when the process exits."""
@@ -163,8 +207,12 @@ def main(argv=None) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     losses, mode, script, rest = argv[0], argv[1], argv[2], argv[3:]
+    by_layer = "--lab-init-by-layer" in rest
+    rest = [a for a in rest if a != "--lab-init-by-layer"]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     apply()
+    if by_layer:
+        _init_by_layer()
     _record_losses(losses)
     if mode == "plugin":
         from ..integration.launch import run_script
