@@ -293,6 +293,10 @@ def test_auto_on_a_virtual_pipeline_picks_from_the_cost_model_stock_interleaved_
     assert resolve_auto(PPConfig(mode="auto"), tp, ModelContext(pp_size=4, virtual_pp_size=4), notes.append,
                         four).mode == "zb"
     assert resolve_auto(PPConfig(mode="auto"), tp, ctx, notes.append).mode == "zb"
+    fast_v = dict(got, virtual=dict(virtual, steps_ms={"off": 1.0, "zb": 0.9, "zbv": 0.5}))
+    assert resolve_auto(PPConfig(mode="auto"), tp, ctx, notes.append, fast_v).mode == "zbv"
+    legacy = ModelContext(pp_size=4, virtual_pp_size=2, tp_size=8, legacy_checkpoint=True)  # --ckpt-format torch
+    assert resolve_auto(PPConfig(mode="auto"), tp, legacy, notes.append, fast_v).mode == "zb"
     # a ZB-V that would be refused at start is never a candidate: 78 layers do not split into 2 x 4 chunks
     from megatron_overlap.integration.install import _drop_unrunnable_zbv
 
