@@ -34,6 +34,7 @@ class ModelContext:
     world_size: Optional[int] = None
     train_iters: Optional[int] = None  # Megatron-LM's --train-iters (the trace's iterations are checked against it)
     pg_timeout_s: Optional[float] = None  # the process groups' timeout (--distributed-timeout-minutes)
+    legacy_checkpoint: bool = False  # Megatron-LM saves or loads in its `torch` format (local layer names)
 
     def rows_per_rank(self) -> Optional[int]:
         """Sequence rows each rank's linears see (seq / (TP x CP)), None when not known here."""
@@ -69,6 +70,8 @@ class ModelContext:
             train_iters=get("train_iters") if isinstance(get("train_iters"), int) else None,
             pg_timeout_s=(60.0 * get("distributed_timeout_minutes")
                           if isinstance(get("distributed_timeout_minutes"), (int, float)) else None),
+            legacy_checkpoint=get("ckpt_format") == "torch" and any(
+                get(name) for name in ("save", "load", "pretrained_checkpoint")),
         )
 
 

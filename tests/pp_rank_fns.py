@@ -275,3 +275,96 @@ def zbv_vs_one_stage(m: int) -> dict:
     finally:
         megatron_overlap.uninstall()
         tiny_gpt.init_parallel(1, pp=2)
+
+
+def _global_values(trainer, salt: int) -> dict:
+    """A value for every parameter of this rank's chunks drawn from its whole-model name (global
+    layer number) and ``salt``: what any layout must hold for that name."""
+    import zlib
+
+    out = {}
+    for name, p in zip(_v_names(trainer), trainer.params()):
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{salt}/{name}".encode()))
+        out[name] = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+    return out
+
+
+def _fill(trainer, salt: int) -> None:
+    with torch.no_grad():
+        for p, value in zip(trainer.params(), _global_values(trainer, salt).values()):
+            p.copy_(value)
+
+
+def _mismatches(trainer, salt: int) -> list:
+    """The parameters (whole-model names) not holding their global values."""
+    return [n for (n, v), p in zip(_global_values(trainer, salt).items(), trainer.params()) if not torch.equal(p, v)]
+
+
+def _all_keys(trainer) -> list:
+    """Every key this rank's chunks put in a distributed checkpoint."""
+    from megatron_overlap.lab.virtual_gpt import virtual_pipeline
+
+    with virtual_pipeline(trainer.v):
+        return sorted({sh.key for d in trainer.ddps for sh in d.module.sharded_state_dict().values()})
+
+
+def _ckpt_io(trainer, path: str, save: bool) -> None:
+    """Megatron-LM's checkpoint of a virtual pipeline: ``model{c}`` the chunks' sharded state
+    dicts, through ``dist_checkpointing`` (``torch_dist``; the save fully parallel over DP, as
+    Megatron-LM's ``--ckpt-fully-parallel-save`` default), loaded back with ``load_state_dict``."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    from megatron_overlap.lab.dist_ckpt import in_process_writes
+    from megatron_overlap.lab.virtual_gpt import virtual_pipeline
+
+    with virtual_pipeline(trainer.v):
+        state = {f"model{c}": d.module.sharded_state_dict() for c, d in enumerate(trainer.ddps)}
+        if save:
+            strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1),
+                                                        parallel_state.get_data_parallel_group())
+            with in_process_writes():
+                dist_checkpointing.save(state, path, strategy)
+            return
+        loaded = dist_checkpointing.load(state, path)
+    for c, d in enumerate(trainer.ddps):
+        d.module.load_state_dict(loaded[f"model{c}"])
+
+
+def zbv_checkpoint_round_trip(root: str) -> dict:
+    """The tiny GPT (8 layers) at PP=2 x VPP=2 (x DP=2): a checkpoint saved under ``zbv`` (the V)
+    loaded into Megatron's interleaved layout, and one saved there loaded back into the V; every
+    parameter set from its whole-model name first, so each must arrive under the same name."""
+    import megatron_overlap
+    from megatron_overlap.lab import tiny_gpt
+    from megatron_overlap.lab.pipeline_gpt import PipelineGPT
+    from megatron_overlap.lab.virtual_gpt import VirtualPipelineTrainer
+
+    spec = tiny_gpt.TinyGPT(num_layers=8, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=256, seq=32, micro_batch=2)
+    setup = PipelineGPT(spec=spec, pp=2, microbatches=2)
+    out = {}
+    try:
+        inst = _install("zbv", None, 1)
+        zbv = VirtualPipelineTrainer(setup, 2, False)
+        out["zbv"] = dict(_layer_offsets(zbv), all_keys=_all_keys(zbv))
+        out["offset_calls"] = inst.calls.get("pp.zbv.offset", 0)
+        _fill(zbv, 1)
+        _ckpt_io(zbv, f"{root}/zbv", save=True)
+        megatron_overlap.uninstall()
+        stock = VirtualPipelineTrainer(setup, 2, False)
+        out["stock"] = dict(_layer_offsets(stock), all_keys=_all_keys(stock))
+        out["stock_before"], out["stock_checked"] = len(_mismatches(stock, 1)), len(stock.params())
+        _ckpt_io(stock, f"{root}/zbv", save=False)
+        out["stock_from_zbv"] = _mismatches(stock, 1)
+        _fill(stock, 2)
+        _ckpt_io(stock, f"{root}/stock", save=True)
+        _install("zbv", None, 1)
+        out["zbv_before"] = len(_mismatches(zbv, 2))
+        _ckpt_io(zbv, f"{root}/stock", save=False)
+        out["zbv_from_stock"] = _mismatches(zbv, 2)
+        out["zbv_checked"] = len(zbv.params())
+        return out
+    finally:
+        megatron_overlap.uninstall()
+        tiny_gpt.init_parallel(1, pp=2)

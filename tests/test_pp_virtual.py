@@ -227,6 +227,8 @@ def test_zbv_patches_megatrons_placement_and_restores_it_exactly():
 
 
 def test_zbv_bad_input_is_refused_with_the_reason():
+    import argparse
+
     from megatron_overlap.config import ModelContext, PPConfig, TPConfig
     from megatron_overlap.integration.vplacement import check_config, check_version
     from megatron_overlap.pp.checks import check_pp_model
@@ -238,6 +240,16 @@ def test_zbv_bad_input_is_refused_with_the_reason():
         check_pp_model(zbv, TPConfig(), ModelContext(pp_size=4))
     with pytest.raises(OverlapConfigError, match="tied ones would have to be one parameter"):
         check_pp_model(zbv, TPConfig(), ModelContext(pp_size=4, virtual_pp_size=2, tied_embeddings=True))
+    megatron = dict(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2,
+                    untie_embeddings_and_output_weights=True)
+    for where in ("save", "load", "pretrained_checkpoint"):  # the legacy format names the chunks' layers locally
+        ctx = ModelContext.from_megatron_args(argparse.Namespace(**megatron, ckpt_format="torch", **{where: "/ckpt"}))
+        with pytest.raises(OverlapConfigError, match="--ckpt-format torch saves each chunk under its local layer names.*"
+                                                     "use --ckpt-format torch_dist"):
+            check_pp_model(zbv, TPConfig(), ctx)
+    for fmt, where in (("torch_dist", "save"), ("torch", None)):  # distributed checkpoints; none at all
+        check_pp_model(zbv, TPConfig(), ModelContext.from_megatron_args(
+            argparse.Namespace(**megatron, ckpt_format=fmt, **({where: "/ckpt"} if where else {}))))
     with pytest.raises(OverlapConfigError, match="megatron-core 0.16.x; this is 0.17.0.*use --overlap-pp zb"):
         check_version((0, 17, 0))
     check_version((0, 16, 1))
@@ -281,6 +293,10 @@ def test_auto_on_a_virtual_pipeline_picks_from_the_cost_model_stock_interleaved_
     assert resolve_auto(PPConfig(mode="auto"), tp, ModelContext(pp_size=4, virtual_pp_size=4), notes.append,
                         four).mode == "zb"
     assert resolve_auto(PPConfig(mode="auto"), tp, ctx, notes.append).mode == "zb"
+    fast_v = dict(got, virtual=dict(virtual, steps_ms={"off": 1.0, "zb": 0.9, "zbv": 0.5}))
+    assert resolve_auto(PPConfig(mode="auto"), tp, ctx, notes.append, fast_v).mode == "zbv"
+    legacy = ModelContext(pp_size=4, virtual_pp_size=2, tp_size=8, legacy_checkpoint=True)  # --ckpt-format torch
+    assert resolve_auto(PPConfig(mode="auto"), tp, legacy, notes.append, fast_v).mode == "zb"
     # a ZB-V that would be refused at start is never a candidate: 78 layers do not split into 2 x 4 chunks
     from megatron_overlap.integration.install import _drop_unrunnable_zbv
 

@@ -75,3 +75,28 @@ def test_zbv_trains_like_the_same_model_as_one_stage(pool4, m):
         assert r["stock_checkpoint"]["layers"] == ([[0, 1], [4, 5]] if stage == 0 else [[2, 3], [6, 7]]), rank
         assert r["checkpoint"]["keys"] == r["stock_checkpoint"]["keys"] and r["checkpoint"]["keys"]
         assert ("decoder.final_layernorm.weight" in r["names"]) == (stage == 0)  # the V ends on stage 0
+
+
+def test_zbv_checkpoint_loads_into_megatrons_interleaved_layout_and_back(pool4, tmp_path):
+    """Checkpoints under ``zbv`` keep Megatron's whole-model layer numbers: the tiny GPT (8 layers)
+    at PP=2 x VPP=2 x DP=2, every parameter set from its global name, saved under the V with
+    Megatron's distributed checkpointing (``torch_dist``, fully parallel over DP; written in the
+    rank process, ``lab/dist_ckpt.py``) and loaded into Megatron's interleaved layout, which holds
+    other layers on each chunk: every parameter there then holds its global layer's values; and a
+    checkpoint saved in that layout loads back into the V the same way."""
+    for name in ("zbv", "stock"):
+        (tmp_path / name).mkdir()
+    results = pool4.run(pp_rank_fns.zbv_checkpoint_round_trip, str(tmp_path))
+    for rank, r in enumerate(results):
+        stage = rank // 2
+        assert r["offset_calls"] > 0, r  # the V's offsets were Megatron's lookups, patched
+        assert r["zbv"]["layers"] == ([[0, 1], [6, 7]] if stage == 0 else [[2, 3], [4, 5]]), (rank, r["zbv"])
+        assert r["stock"]["layers"] == ([[0, 1], [4, 5]] if stage == 0 else [[2, 3], [6, 7]]), (rank, r["stock"])
+        assert r["stock_before"] == r["stock_checked"] and r["zbv_before"] == r["zbv_checked"] > 0, r  # not yet held
+        assert r["stock_from_zbv"] == [], (rank, r["stock_from_zbv"])
+        assert r["zbv_from_stock"] == [], (rank, r["zbv_from_stock"])
+    keys = {layout: set().union(*(r[layout]["all_keys"] for r in results)) for layout in ("zbv", "stock")}
+    assert keys["zbv"] == keys["stock"] and {"embedding.word_embeddings.weight", "output_layer.weight",
+                                              "decoder.final_layernorm.weight"} <= keys["zbv"]
+    for name in ("zbv", "stock"):
+        assert (tmp_path / name / "metadata.json").is_file() and list((tmp_path / name).glob("*.distcp"))

@@ -82,6 +82,11 @@ def check_zbv_model(ctx) -> None:
         raise OverlapConfigError("pp.mode", "zbv puts the embedding and the output layer in two chunks of stage 0; "
                                  "tied ones would have to be one parameter there, which is not built: add "
                                  "`megatron.untie_embeddings_and_output_weights`, or use `pp.mode` zb")
+    if ctx.legacy_checkpoint:
+        raise OverlapConfigError("pp.mode", "zbv keeps Megatron's whole-model layer numbers in distributed checkpoints "
+                                 "only: `megatron.ckpt_format` torch saves each chunk under its local layer names, "
+                                 "which the V gives to other layers than Megatron's placement does (such a checkpoint "
+                                 "loads into no other layout): use `megatron.ckpt_format` torch_dist, or `pp.mode` zb")
 
 
 def _resolve_virtual(pp, ctx, notice, predicted, reason):
@@ -97,7 +102,7 @@ def _resolve_virtual(pp, ctx, notice, predicted, reason):
     steps = dict(virtual["steps_ms"])
     if reason:
         steps = {k: t for k, t in steps.items() if k == "off"}
-    if virtual["chunks"] != 2 or ctx.tied_embeddings:
+    if virtual["chunks"] != 2 or ctx.tied_embeddings or ctx.legacy_checkpoint:
         steps.pop("zbv", None)
     mode = min(steps, key=lambda k: (steps[k], k != "off"))
     stock = virtual["steps_ms"]["off"]
