@@ -6,15 +6,23 @@ Assumptions beyond the non-interleaved rows': a chunk takes ``1 / v`` of its sta
 and holds ``1 / v`` of its activations; every hop between stages carries one activation (the
 interleaved schedule has ``v p - 1`` hops per micro-batch, ZB-V ``2 p - 2``: its turn stays on
 the last stage); stock interleaved's transfers overlapped as its ``overlap_p2p_comm`` does
-(posted early, waited late); the data-parallel sync priced per stage as for the
-non-interleaved schedules (Megatron's per-chunk buckets are not modelled).
+(posted early, waited late); the data-parallel sync per model chunk, as Megatron-LM's
+``get_model`` builds one DDP per chunk (``chunk_syncs``): each chunk holds ``1 / v`` of every
+parameter of its stage (the emulated cluster's assumption, ``lab/cluster_chunks.py``), chunk 0
+bucketed as the stage is (only stage 0 has several buckets), later chunks one bucket each; a
+chunk's buckets leave at its last gradient (stock: ``pipeline rank`` backwards later, as
+Megatron's interleaved schedule staggers them), chunks 0 and 1 gather their parameters from
+the step's start (``align_param_gather``).
 """
 
 from __future__ import annotations
 
 from ..config import PPConfig
 from ..pp import build
-from ..pp.simulate import LinkCost, simulate as simulate_pipeline
+from ..pp.buckets import buckets, stage_bucket_size
+from ..pp.simulate import DPSync, LinkCost, simulate as simulate_pipeline
+from ..pp.work import stage_params
+from .comm import all_gather_cost, all_reduce_cost, reduce_scatter_cost
 from .pipeline import DPOptions, ScheduleResult, stage_costs
 from .strategies import Strategy
 
@@ -42,7 +50,7 @@ def simulate_virtual(model, run, hw, strategy: Strategy = Strategy("megatron"),
             schedule = build(kind, p, m, chunks=v, times=own)
         except ValueError:
             continue
-        dp = costs.dp if kind == "megatron" else costs.dp_ours()
+        dp = chunk_syncs(costs.work, run, hw, dp_options, v, kind)
         on_link = simulate_pipeline(schedule, costs.times, link, dp)
         no_dp = simulate_pipeline(schedule, costs.times, link)
         alone = simulate_pipeline(schedule, costs.times, free)
@@ -51,6 +59,32 @@ def simulate_virtual(model, run, hw, strategy: Strategy = Strategy("megatron"),
         out.append(ScheduleResult(label, flags, on_link.step_ms, alone.bubble, no_dp.step_ms - alone.step_ms,
                                   on_link.step_ms - no_dp.step_ms,
                                   max(schedule.memory_bound) * costs.activation_bytes / 1e9))
+    return out
+
+
+def chunk_syncs(work, run, hw, options: DPOptions, v: int, kind: str) -> list:
+    """Each stage's ``DPSync`` with one DDP per model chunk (module docstring)."""
+    ranks = run.dp * run.cp
+    if ranks <= 1:
+        return [DPSync() for _ in work]
+    link = hw.link_for(run.tp * run.cp * run.dp)
+    reduce = reduce_scatter_cost if options.distributed_optimizer else all_reduce_cost
+    gather = options.distributed_optimizer and options.overlap_param_gather
+    out = []
+    for stage, params in enumerate(stage_params(work)):
+        share = [max(1, n // v) for n in params]
+        sizes, chunks = [], []
+        for c in range(v):
+            mine = buckets(share, stage_bucket_size(ranks, stage, options.overlap_grad_reduce) if c == 0 else None)
+            sizes += mine
+            chunks += [c] * len(mine)
+        rs = [reduce(4.0 * n, ranks, link) for n in sizes]
+        order = sorted(range(len(sizes)), key=lambda i: (chunks[i], -i))  # each chunk's forward order
+        ag = [all_gather_cost(hw.dtype_bytes * sizes[i], ranks, link) for i in order] if gather else []
+        out.append(DPSync(reduce_ms=tuple(c.busy_ms for c in rs), gather_ms=tuple(c.busy_ms for c in ag),
+                          latency_ms=rs[0].latency_ms, gather_at_start=True, reduce_chunks=tuple(chunks),
+                          gather_chunks=tuple(chunks[i] for i in order) if ag else (),
+                          sync_delay=stage if kind == "megatron" else 0))
     return out
 
 
