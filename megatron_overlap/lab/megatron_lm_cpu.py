@@ -121,6 +121,9 @@ def _keep_pipeline_outputs(arguments) -> None:
             module.core_transformer_config_from_args = core_transformer_config_from_args
 
 
+_REDRAWN = []  # the parameters ``_init_by_layer`` drew again, by global name (written with the losses)
+
+
 def _init_by_layer() -> None:
     """See the module docstring. Biases and norms keep Megatron's constants."""
     import zlib
@@ -137,6 +140,7 @@ def _init_by_layer() -> None:
                     g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
                     with torch.no_grad():
                         param.copy_(0.02 * torch.randn(param.shape, generator=g, dtype=torch.float32))
+                    _REDRAWN.append(key)
         return models
 
     training.get_model = get_model
@@ -185,7 +189,7 @@ def _record_losses(path: str) -> None:
         inst = find_installation()
         rank = dist.get_rank() if dist.is_initialized() else 0
         with open(f"{path}.rank{rank}", "w") as f:
-            json.dump({"losses": losses, "calls": dict(inst.calls) if inst is not None else {}}, f)
+            json.dump({"losses": losses, "calls": dict(inst.calls) if inst is not None else {}, "redrawn": _REDRAWN}, f)
 
     atexit.register(dump)
 
