@@ -74,6 +74,10 @@ def test_bench_pp_emulate_command_line():
     assert out.returncode != 0 and "--hidden shape the real tiny GPT" in out.stderr
     out = cli("bench", "pp", "--dp", "2", "--no-progress")
     assert out.returncode == 2 and "--dp only apply with --emulate" in out.stderr
+    out = cli("bench", "pp", "--emulate", "--vpp", "4", "--schedules", "stock,zbv", "--no-progress")
+    assert out.returncode != 0 and "zbv needs exactly 2 model chunks per stage (the V), got --vpp 4" in out.stderr
+    out = cli("bench", "pp", "--emulate", "--vpp", "2", "--microbatches", "6", "--no-progress")
+    assert out.returncode != 0 and "--microbatches 6 is not a multiple of --pp 4" in out.stderr, out.stderr[-2000:]
 
 
 def test_durations_files_are_checked_naming_what_is_missing(tmp_path):
