@@ -95,7 +95,7 @@ from .locality import check_home, home_first, relabel_rings
 from .packing import pack_first_fit, pack_next_fit, split_to
 from .plan import Plan
 from .shard import Shard, ranks_needed, rows_held
-from .simulate import sequence_options
+from .simulate import options_many, sequence_options
 
 MODES = ("dp", "pp")
 CAPACITY_FIELD = "hdp.max_tokens"  # the config field errors about C name
@@ -175,6 +175,10 @@ def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequen
 
     cache = {} if cache is None else cache
     options = {}  # by length: the least busy time over the sizes it may take
+    if spread:  # low is _options' fewest ranks: its scan, all lengths at once
+        todo = [lens[i] for i in ring_ids if ("area", lens[i], spread) not in cache]
+        for L, (_, area) in options_many(todo, R, C, cost).items():
+            cache[("area", L, spread)] = area
     for i in ring_ids:
         key = ("area", lens[i], spread)
         if key not in cache:
