@@ -69,7 +69,7 @@ def relabel(at_home: Sequence[Sequence[float]], gpus_per_node: int) -> List[int]
     target = list(range(len(nodes)))
     full = [k for k, members in enumerate(nodes) if len(members) == gpus_per_node]
     if len(full) > 1:
-        node_weight = [[sum(at_home[r][h] for r in nodes[a] for h in nodes[b]) for b in full] for a in full]
+        node_weight = _node_weight(at_home, nodes, full)
         for a, b in zip(full, assignment(node_weight)):
             target[a] = full[b]
     perm = [0] * R
@@ -79,6 +79,19 @@ def relabel(at_home: Sequence[Sequence[float]], gpus_per_node: int) -> List[int]
         for r, j in zip(members, inner):
             perm[r] = dest[j]
     return perm
+
+
+def _node_weight(at_home, nodes, full) -> List[List[float]]:
+    """Tokens per (node a, node b) of the full nodes: ``sum(at_home[r][h])`` over r in a, h in b.
+    Token counts (whole numbers) sum exactly in any order, so numpy's reshaped sum gives the
+    loop's floats; other weights take the loop."""
+    import numpy as np
+
+    a = np.asarray(at_home, dtype=float)
+    if len(full) == len(nodes) and np.array_equal(a, np.floor(a)) and a.sum() < 2.0 ** 52 and a.min() >= 0:
+        count, size = len(nodes), len(nodes[0])
+        return a.reshape(count, size, count, size).sum(axis=(1, 3)).tolist()
+    return [[sum(at_home[r][h] for r in nodes[a] for h in nodes[b]) for b in full] for a in full]
 
 
 def relabel_rings(rings, gaps, clock, home, cost):

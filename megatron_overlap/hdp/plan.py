@@ -39,6 +39,10 @@ class Plan:
         if self.phases is None:
             object.__setattr__(self, "phases", tuple(tuple(0 for _ in mbs) for mbs in self.microbatches))
 
+    def __getstate__(self):
+        """Pickled without ``simulate``'s memo of its step times (recomputed where needed)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_simulated"}
+
     # -- structure -----------------------------------------------------------------------------
     @staticmethod
     def ring_of(mb: Sequence[Shard]) -> Tuple[int, ...]:

@@ -91,6 +91,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import OverlapConfigError
 from .cost import HdpCostModel
+from .gcpause import gc_paused
 from .locality import check_home, home_first, relabel_rings
 from .packing import pack_first_fit, pack_next_fit, split_to
 from .plan import Plan
@@ -240,6 +241,7 @@ def _lpt(ids: Sequence[int], ms: Sequence[float], clock: List[float]) -> List[Li
     return out
 
 
+@gc_paused
 def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
                  cost: Optional[HdpCostModel] = None, mode: str = "dp", spread: bool = True,
                  home: Optional[Sequence[int]] = None) -> Plan:
@@ -289,7 +291,7 @@ def _build(lens, R: int, C: int, cost: HdpCostModel, mode: str, spread: bool, ho
     local = False
     if home is not None and mode == "dp":
         tail, local = home_first(rest, lens, clock, home, cost, tail, ms)
-    plan = _emit(lens, R, C, mode, rings, filled, tail)
+    plan = _emit(lens, R, C, mode, rings, filled, tail, cache.setdefault("whole", {}))
     return _with_notes(plan, rings, filled, short_ids, C, loaded, local or home is None)
 
 
@@ -306,7 +308,9 @@ def _rings_of(lens, R: int, C: int, cost: HdpCostModel, spread: bool, cache: dic
     the short sequences, longest first, those a ring did not keep included)."""
     by_length = cache.get("by_length")
     if by_length is None:
-        by_length = cache["by_length"] = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+        import numpy as np  # longest first, ties by id: sorted(key=(-L, i))
+
+        by_length = cache["by_length"] = np.lexsort((np.arange(len(lens)), -np.array(lens, dtype=np.int64))).tolist()
     ms = _local_table(lens, cost, cache)
     short_ids = [i for i in by_length if lens[i] <= C]
     share = sum(ms[i] for i in short_ids) / R
@@ -321,13 +325,22 @@ def _rings_of(lens, R: int, C: int, cost: HdpCostModel, spread: bool, cache: dic
     return rings, clock, gaps, short_ids
 
 
-def _emit(lens, R: int, C: int, mode: str, rings, filled, tail) -> Plan:
-    """Step 3: the micro-batches (module docstring)."""
+def _emit(lens, R: int, C: int, mode: str, rings, filled, tail, whole: Optional[dict] = None) -> Plan:
+    """Step 3: the micro-batches (module docstring). ``whole``: the shards of sequences held whole,
+    by id, shared by the plans of one batch (a ``Shard`` is immutable)."""
+    whole = {} if whole is None else whole
+
+    def held(i):
+        s = whole.get(i)
+        if s is None:
+            s = whole[i] = Shard(i, lens[i])
+        return s
+
     out: List[List[Tuple[Shard, ...]]] = [[] for _ in range(R)]
 
     def local_mbs(ids):
         ids = sorted(ids, key=lambda i: (-lens[i], i))
-        return [tuple(Shard(i, lens[i]) for i in b) for b in pack_first_fit(ids, lens, C)]
+        return [tuple(held(i) for i in b) for b in pack_first_fit(ids, lens, C)]
 
     for idx in sorted(range(len(rings)), key=lambda j: (rings[j].start, j)):
         ring = rings[idx]
@@ -345,7 +358,7 @@ def _emit(lens, R: int, C: int, mode: str, rings, filled, tail) -> Plan:
         slots = max(len(out[r]) + len(bins[r]) for r in range(R))
         for r in range(R):
             for b in split_to(bins[r], slots - len(out[r]), lens):
-                out[r].append(tuple(Shard(i, lens[i]) for i in b))
+                out[r].append(tuple(held(i) for i in b))
             out[r].extend([()] * (slots - len(out[r])))
     return Plan(scheduler="hdp", ranks=R, capacity_tokens=C, seq_lens=tuple(lens),
                 microbatches=tuple(tuple(mbs) for mbs in out), mode=mode)

@@ -30,6 +30,17 @@ class StepTime:
 
 
 def simulate(plan: Plan, cost: HdpCostModel) -> StepTime:
+    try:  # a plan is immutable, so is a cost model: each plan simulated once per model
+        hash(cost)
+    except TypeError:
+        return _simulate(plan, cost)
+    memo = plan.__dict__.setdefault("_simulated", {})  # left out of pickles: Plan.__getstate__
+    if cost not in memo:
+        memo[cost] = _simulate(plan, cost)
+    return memo[cost]
+
+
+def _simulate(plan: Plan, cost) -> StepTime:
     R = plan.ranks
     rings, dur, keys = _items(plan, cost)
     now = [0.0] * R
@@ -77,6 +88,7 @@ def _items(plan: Plan, cost):
     per peer, then added in ``item_ms``' order."""
     compute: dict = {}  # (L, n) -> compute_ms of one shard
     exposed: dict = {}  # (rows, pairs, ring) -> exposed_ring_ms
+    single: dict = {}  # (L, ring) -> item_ms of a micro-batch of that one shard
     overhead = cost.microbatch_overhead_ms
     rings, dur, keys = [], [], []
     for mbs in plan.microbatches:
@@ -87,7 +99,18 @@ def _items(plan: Plan, cost):
                 ds.append(0)  # item_ms of an empty micro-batch: sum(()) = 0
                 ks.append(None)
                 continue
-            ring = mb[0].ring if len(mb) == 1 else Plan.ring_of(mb)
+            if len(mb) == 1:  # the usual micro-batch: one shard, its time once per (length, ring)
+                s = mb[0]
+                key = (s.seq_len, s.ring)
+                d = single.get(key)
+                if d is None:  # item_ms: (0 + compute) + overhead (+ exposed), rows and pairs its own
+                    d = cost.compute_ms(s.rows, s.causal_pairs) + overhead
+                    d = single[key] = d + cost.exposed_ring_ms(s.rows, s.causal_pairs, s.ring) if s.ring else d
+                rs.append(s.ring)
+                ds.append(d)
+                ks.append((s.seq_id,) if s.ring else None)
+                continue
+            ring = Plan.ring_of(mb)
             total = 0
             for s in mb:
                 key = (s.seq_len, len(s.ring))

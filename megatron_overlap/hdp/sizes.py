@@ -35,12 +35,16 @@ class RingSizes:
         self._order = order
         self.order, self.prefix, self.nodes_upto = order.tolist(), self._pre.tolist(), self._nodes_upto.tolist()
         self._node_order = None
+        self._node_arrays = None
         self._best: Dict[int, tuple] = {}
         self.w: Dict[Tuple[int, int, bool], float] = {} if cache is None else cache  # (L, n, intra) -> peer time
 
     @property
     def node_order(self):
         """Per node, its ranks by clock and their clocks' prefix sums (built when first asked)."""
+        if self._node_order is None and len(self.clock) % self.cost.gpus_per_node == 0:
+            members, _, pre = self._nodes()
+            self._node_order = list(zip(members.tolist(), pre.tolist()))
         if self._node_order is None:
             gpn, clock = self.cost.gpus_per_node, self.clock
             by_node: Dict[int, List[int]] = {}
@@ -48,6 +52,20 @@ class RingSizes:
                 by_node.setdefault(r // gpn, []).append(r)
             self._node_order = [(m, _prefix([clock[r] for r in m])) for _, m in sorted(by_node.items())]
         return self._node_order
+
+    def _nodes(self):
+        """Every node full: (ranks by node, least busy first; their clocks; the clocks' prefix
+        sums, a leading 0 column), numpy arrays of one row per node."""
+        import numpy as np
+
+        if self._node_arrays is None:
+            gpn = self.cost.gpus_per_node
+            count = len(self.clock) // gpn
+            members = self._order[np.argsort(self._order // gpn, kind="stable")].reshape(count, gpn)
+            node_clock = self._clk[members]
+            pre = np.concatenate((np.zeros((count, 1)), np.cumsum(node_clock, axis=1)), axis=1)
+            self._node_arrays = (members, node_clock, pre)
+        return self._node_arrays
 
     def _w(self, n: int, intra: bool) -> float:
         key = (self.seq_len, n, intra)
@@ -79,11 +97,9 @@ class RingSizes:
         start at different times is left out (``spread_choice`` asks ``best``)."""
         import numpy as np
 
-        R, gpn = len(self.clock), self.cost.gpus_per_node
+        R = len(self.clock)
         ns = np.arange(lo, hi + 1)
-        by_node = self._order[np.argsort(self._order // gpn, kind="stable")].reshape(R // gpn, gpn)
-        node_clock = self._clk[by_node]  # each node's clocks, least busy first
-        node_pre = np.concatenate((np.zeros((R // gpn, 1)), np.cumsum(node_clock, axis=1)), axis=1)
+        _, node_clock, node_pre = self._nodes()  # each node's clocks, least busy first
         g_start = self._sorted[ns - 1]
         g_intra = self._nodes_upto[ns - 1] == 1
         g_w = np.array([self._w(n, bool(i)) for n, i in zip(ns.tolist(), g_intra.tolist())])
