@@ -102,6 +102,11 @@ class RingSizes:
         _, node_clock, node_pre = self._nodes()  # each node's clocks, least busy first
         g_start = self._sorted[ns - 1]
         g_intra = self._nodes_upto[ns - 1] == 1
+        L, cached = self.seq_len, self.w
+        if (L, hi, True) not in cached or (L, hi, False) not in cached:  # peer_ms_many: peer_ms's floats (tested)
+            for intra in (True, False):
+                for n, w in zip(ns.tolist(), self.cost.peer_ms_many(L, ns, np.full(len(ns), intra)).tolist()):
+                    cached.setdefault((L, n, intra), w)
         g_w = np.array([self._w(n, bool(i)) for n, i in zip(ns.tolist(), g_intra.tolist())])
         w_in = np.array([self._w(n, True) for n in ns.tolist()])
         g_end, g_waits = g_start + g_w, ns * g_start - self._pre[ns]
