@@ -110,17 +110,20 @@ def _items(plan: Plan, cost):
                 ds.append(d)
                 ks.append((s.seq_id,) if s.ring else None)
                 continue
-            ring = Plan.ring_of(mb)
-            total = 0
+            total, on_ring = 0, []
             for s in mb:
                 key = (s.seq_len, len(s.ring))
                 c = compute.get(key)
                 if c is None:
                     c = compute[key] = cost.compute_ms(s.rows, s.causal_pairs)
                 total += c
+                if s.ring:
+                    on_ring.append(s)
             total += overhead
+            ring = () if not on_ring else on_ring[0].ring
+            if any(x.ring != ring for x in on_ring):
+                ring = Plan.ring_of(mb)  # raises: several rings in one micro-batch
             if ring:
-                on_ring = [s for s in mb if s.ring]
                 rows, pairs = sum(s.rows for s in on_ring), sum(s.causal_pairs for s in on_ring)
                 key = (rows, pairs, ring)
                 e = exposed.get(key)

@@ -104,9 +104,10 @@ class RingSizes:
         g_intra = self._nodes_upto[ns - 1] == 1
         L, cached = self.seq_len, self.w
         if (L, hi, True) not in cached or (L, hi, False) not in cached:  # peer_ms_many: peer_ms's floats (tested)
-            for intra in (True, False):
-                for n, w in zip(ns.tolist(), self.cost.peer_ms_many(L, ns, np.full(len(ns), intra)).tolist()):
-                    cached.setdefault((L, n, intra), w)
+            both = np.concatenate((ns, ns))
+            flags = np.arange(len(both)) < len(ns)  # in one node, then across nodes
+            for n, intra, w in zip(both.tolist(), flags.tolist(), self.cost.peer_ms_many(L, both, flags).tolist()):
+                cached.setdefault((L, n, intra), w)
         g_w = np.array([self._w(n, bool(i)) for n, i in zip(ns.tolist(), g_intra.tolist())])
         w_in = np.array([self._w(n, True) for n in ns.tolist()])
         g_end, g_waits = g_start + g_w, ns * g_start - self._pre[ns]
