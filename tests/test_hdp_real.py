@@ -139,6 +139,66 @@ def test_the_fast_planner_scores_every_ring_size_as_the_plain_loop_does():
             assert sequence_options(L, low, R, cost) == sequence_options(L, low, R, Plain(cost))
 
 
+def test_the_planners_numpy_paths_give_the_plain_loops_numbers():
+    """Issue 24's third pass (planner time): every vectorised or memoised step gives what the
+    plain code gives, bit for bit, so the plans stay the same: the small ring sizes scored for
+    all nodes at once (``RingSizes.small_estimates``) against ``best`` size by size, the sorted
+    clocks and prefix sums against ``sorted`` and a running sum, the lower bound's scan of all
+    lengths (``options_many``) against ``sequence_options`` one length at a time, ``simulate``'s
+    micro-batch times against ``Plan.item_ms``, the node weights of ``locality.relabel`` against
+    the loop; and ``gc_paused`` leaves the collector as it found it."""
+    import gc
+
+    from megatron_overlap.hdp.cost import SquareWorkload
+    from megatron_overlap.hdp.gcpause import gc_paused
+    from megatron_overlap.hdp.locality import _node_weight
+    from megatron_overlap.hdp.shard import ranks_needed
+    from megatron_overlap.hdp.simulate import _items, options_many, sequence_options
+    from megatron_overlap.hdp.sizes import RingSizes
+
+    rng = random.Random(7)
+    for cost in (COST, HdpCostModel(gpus_per_node=4), SquareWorkload()):
+        gpn = cost.gpus_per_node
+        for _ in range(30):
+            R, L = rng.choice([16, 64, 256]), rng.randint(1000, 2_000_000)
+            clock = [rng.choice([0.0, 10.0, rng.uniform(0, 500)]) for _ in range(R)]  # ties included
+            sizes = RingSizes(L, clock, cost)
+            assert sizes.order == sorted(range(R), key=lambda r: (clock[r], r))
+            running = [0.0]
+            for r in sizes.order:
+                running.append(running[-1] + clock[r])
+            assert sizes.prefix == running
+            placed, rest = sum(clock), rng.uniform(0, 1e5)
+            fast = sizes.small_estimates(2, gpn, placed, rest)
+            assert len(fast) >= gpn - 2, (len(fast), gpn)  # sizes with tied starts may be left to best
+            for n, estimate in fast.items():
+                _, start, end, waits = sizes.best(n)
+                assert estimate == max(end, (placed + n * (end - start) + waits + rest) / R), (n, L)
+        C = rng.choice([4096, 32768])
+        lens = [rng.choice([rng.randint(1, C), rng.randint(C, 40 * C)]) for _ in range(300)]
+        many = options_many(lens, 64, C, cost)
+        for L in lens:
+            low = 1 if L <= C else ranks_needed(L, C)
+            assert many[L] == sequence_options(L, low, 64, cost), L
+    plan = schedule_megatron_balanced([rng.randint(100, 200_000) for _ in range(200)], 16, 32768)
+    for cost in (COST, HdpCostModel(microbatch_overhead_ms=1.0), SquareWorkload()):
+        rings, dur, keys = _items(plan, cost)
+        assert dur == [[plan.item_ms(mb, cost) for mb in mbs] for mbs in plan.microbatches]
+        assert keys == [[plan.ring_key(mb) if plan.ring_of(mb) else None for mb in mbs] for mbs in plan.microbatches]
+        assert simulate(plan, cost) is simulate(plan, cost)  # simulated once per model
+    at_home = [[float(rng.choice([0, 0, rng.randint(1, 10**6)])) for _ in range(32)] for _ in range(32)]
+    nodes = [list(range(s, s + 8)) for s in range(0, 32, 8)]
+    assert _node_weight(at_home, nodes, [0, 1, 2, 3]) == [
+        [sum(at_home[r][h] for r in nodes[a] for h in nodes[b]) for b in range(4)] for a in range(4)]
+    seen = gc_paused(lambda: gc.isenabled())
+    assert gc.isenabled() and seen() is False and gc.isenabled()
+    gc.disable()
+    try:
+        assert seen() is False and not gc.isenabled()  # a caller's choice is kept
+    finally:
+        gc.enable()
+
+
 class _Runtime:
     """The runtime's three step parts without ranks: ``gather`` deals sample i to rank i mod R
     (one process plays every rank), ``load`` keeps the plan; the planner is the runtime's own."""

@@ -43,6 +43,7 @@ import math
 from typing import List, Optional, Sequence, Tuple
 
 from .cost import HdpCostModel
+from .gcpause import gc_paused
 from .packing import pack_first_fit
 from .plan import Plan
 from .scheduler import check_batch
@@ -108,6 +109,7 @@ def _megatron_cp_size(seq_len: int, max_per_rank: int) -> int:
     return max(1, 2 ** math.ceil(math.log2(seq_len / max_per_rank)))
 
 
+@gc_paused
 def schedule_balanced_cp(scheduler_cls, seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
                          cost: Optional[HdpCostModel] = None) -> Plan:
     """``scheduler_cls`` (megatron-core's ``BalancedCPScheduler``, handed in by

@@ -25,6 +25,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 from .cost import SquareWorkload
+from .gcpause import gc_paused
 from .plan import Plan
 from .simulate import lower_bound_ms, simulate
 
@@ -33,6 +34,7 @@ L2_TARGET = 1.10
 LINEAR_SPEEDUPS = (1.33, 2.0)
 
 
+@gc_paused
 def for_both(ours: Plan, cost, scoring=None, mode: str = "dp", home: Optional[Sequence[int]] = None) -> Plan:
     """``ours`` or a re-plan with cheaper linears (module docstring). ``cost``: the model ``ours``
     was planned with; ``scoring``: the one it is judged by (default ``cost``)."""

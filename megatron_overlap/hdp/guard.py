@@ -30,6 +30,7 @@ import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 from .cost import SquareWorkload
+from .gcpause import gc_paused
 from .plan import Plan
 from .simulate import simulate
 
@@ -60,6 +61,7 @@ def models_for(cost) -> Tuple[object, SquareWorkload]:
     return cost, SquareWorkload(gpus_per_node=cost.gpus_per_node)
 
 
+@gc_paused
 def guarded(ours: Plan, peer: Optional[Plan], cost, tolerance: float = TOLERANCE,
             extra: Sequence[Plan] = ()) -> Plan:
     """The kept plan (module docstring): ``ours`` (and any ``extra`` candidates of ours) or the

@@ -11,7 +11,7 @@ node), then of ranks to ranks inside each node (:func:`assignment`, the Hungaria
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 
 def assignment(weight: Sequence[Sequence[float]]) -> List[int]:
@@ -69,7 +69,7 @@ def relabel(at_home: Sequence[Sequence[float]], gpus_per_node: int) -> List[int]
     target = list(range(len(nodes)))
     full = [k for k, members in enumerate(nodes) if len(members) == gpus_per_node]
     if len(full) > 1:
-        node_weight = [[sum(at_home[r][h] for r in nodes[a] for h in nodes[b]) for b in full] for a in full]
+        node_weight = _node_weight(at_home, nodes, full)
         for a, b in zip(full, assignment(node_weight)):
             target[a] = full[b]
     perm = [0] * R
@@ -79,6 +79,19 @@ def relabel(at_home: Sequence[Sequence[float]], gpus_per_node: int) -> List[int]
         for r, j in zip(members, inner):
             perm[r] = dest[j]
     return perm
+
+
+def _node_weight(at_home, nodes, full) -> List[List[float]]:
+    """Tokens per (node a, node b) of the full nodes: ``sum(at_home[r][h])`` over r in a, h in b.
+    Token counts (whole numbers) sum exactly in any order, so numpy's reshaped sum gives the
+    loop's floats; other weights take the loop."""
+    import numpy as np
+
+    a = np.asarray(at_home, dtype=float)
+    if len(full) == len(nodes) and np.array_equal(a, np.floor(a)) and a.sum() < 2.0 ** 52 and a.min() >= 0:
+        count, size = len(nodes), len(nodes[0])
+        return a.reshape(count, size, count, size).sum(axis=(1, 3)).tolist()
+    return [[sum(at_home[r][h] for r in nodes[a] for h in nodes[b]) for b in full] for a in full]
 
 
 def relabel_rings(rings, gaps, clock, home, cost):
@@ -102,14 +115,14 @@ def relabel_rings(rings, gaps, clock, home, cost):
 
 
 def home_first(ids: Sequence[int], lens: Sequence[int], clock: List[float], home: Sequence[int], cost,
-               plain: List[List[int]]) -> Tuple[List[List[int]], bool]:
+               plain: List[List[int]], ms: Optional[Sequence[float]] = None) -> Tuple[List[List[int]], bool]:
     """Step 2b with locality: ``plain`` is LPT's assignment of ``ids`` (costliest first) after
     the rings, ending at T. Each sequence goes to the rank that loaded it while that rank still
     ends by T; the others, tightest fit first, to a rank that still ends by T. Returns (the
     assignment, True) when every sequence fits by T (the step is LPT's), else (``plain``,
-    False)."""
+    False). ``ms``: per sequence id, its ``local_ms`` where the caller has them."""
     R = len(clock)
-    c = {i: _local_ms(lens[i], cost) for i in ids}
+    c = {i: _local_ms(lens[i], cost) if ms is None else ms[i] for i in ids}
     limit = max([clock[r] + sum(c[i] for i in plain[r]) for r in range(R)], default=0.0) * (1 + 1e-12)
     ends, out, deferred = list(clock), [[] for _ in range(R)], []
     for i in ids:
@@ -119,13 +132,17 @@ def home_first(ids: Sequence[int], lens: Sequence[int], clock: List[float], home
             ends[h] += c[i]
         else:
             deferred.append(i)
-    for i in deferred:
-        fits = [r for r in range(R) if ends[r] + c[i] <= limit]
-        if not fits:
-            return plain, False
-        r = max(fits, key=lambda x: (ends[x], -x))  # the tightest fit keeps room for the next ones
-        out[r].append(i)
-        ends[r] += c[i]
+    if deferred:
+        import numpy as np
+
+        at = np.array(ends)
+        for i in deferred:  # the tightest fit keeps room for the next ones: the latest end that fits, lowest rank
+            fits = np.where(at + c[i] <= limit, at, -np.inf)
+            r = int(fits.argmax())  # the first of the largest: the lowest rank among equal ends
+            if fits[r] == -np.inf:
+                return plain, False
+            out[r].append(i)
+            at[r] += c[i]
     return out, True
 
 

@@ -39,6 +39,10 @@ class Plan:
         if self.phases is None:
             object.__setattr__(self, "phases", tuple(tuple(0 for _ in mbs) for mbs in self.microbatches))
 
+    def __getstate__(self):
+        """Pickled without ``simulate``'s memo of its step times (recomputed where needed)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_simulated"}
+
     # -- structure -----------------------------------------------------------------------------
     @staticmethod
     def ring_of(mb: Sequence[Shard]) -> Tuple[int, ...]:
@@ -121,8 +125,8 @@ class Plan:
     def moved_tokens(self, home: Sequence[int]) -> int:
         """Real tokens a rank holds that another rank loaded (``home[seq id]``: the rank whose
         data iterator loaded it): what the row exchange moves."""
-        return sum(s.tokens for r, mbs in enumerate(self.microbatches) for mb in mbs for s in mb
-                   if home[s.seq_id] != r)
+        return sum(s.tokens if s.ring else s.seq_len  # a shard held whole holds all its tokens
+                   for r, mbs in enumerate(self.microbatches) for mb in mbs for s in mb if home[s.seq_id] != r)
 
     def cp_comm_bytes(self, cost: HdpCostModel) -> float:
         """Bytes all ranks send through rings in the step: per ring and rank,

@@ -91,11 +91,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import OverlapConfigError
 from .cost import HdpCostModel
+from .gcpause import gc_paused
 from .locality import check_home, home_first, relabel_rings
 from .packing import pack_first_fit, pack_next_fit, split_to
 from .plan import Plan
 from .shard import Shard, ranks_needed, rows_held
-from .simulate import sequence_options
+from .simulate import options_many, sequence_options
 
 MODES = ("dp", "pp")
 CAPACITY_FIELD = "hdp.max_tokens"  # the config field errors about C name
@@ -175,20 +176,25 @@ def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequen
 
     cache = {} if cache is None else cache
     options = {}  # by length: the least busy time over the sizes it may take
+    if spread:  # low is _options' fewest ranks: its scan, all lengths at once
+        todo = [lens[i] for i in ring_ids if ("area", lens[i], spread) not in cache]
+        for L, (_, area) in options_many(todo, R, C, cost).items():
+            cache[("area", L, spread)] = area
     for i in ring_ids:
         key = ("area", lens[i], spread)
         if key not in cache:
             cache[key] = sequence_options(lens[i], low[i], R if spread else low[i], cost)[1]
         options[lens[i]] = cache[key]
     area = {i: options[lens[i]] for i in ring_ids}
-    rest = sum(area.values()) + sum(local_ms(lens[i], cost) for i in short_ids)
+    ms = _local_table(lens, cost, cache)
+    rest = sum(area.values()) + sum(ms[i] for i in short_ids)
     back = []
     for i in ring_ids:
         rest -= area[i]
         n, ring, start, end = spread_choice(lens[i], low[i], clock, cost, rest, spread, cache)
         if n == 1:
             back.append(i)
-            rest += local_ms(lens[i], cost)
+            rest += ms[i]
             continue
         for r in ring:
             if start > clock[r]:
@@ -198,17 +204,17 @@ def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequen
     return rings, clock, gaps, back
 
 
-def _fill_gaps(short_ids: Sequence[int], lens: Sequence[int], gaps: Dict[Tuple[int, int], float],
-               cost: HdpCostModel, home: Optional[Sequence[int]] = None):
+def _fill_gaps(short_ids: Sequence[int], ms: Sequence[float], gaps: Dict[Tuple[int, int], float],
+               home: Optional[Sequence[int]] = None):
     """Step 2a: best fit of the short sequences (costliest first) into the gaps; with ``home``,
     the tightest gap on the rank that loaded the sequence when one fits there (a gap delays
     nothing either way). Returns ({(rank, ring index): [seq ids]}, the ids left over, in the same
-    order)."""
+    order). ``ms``: per sequence id, its ``local_ms``."""
     free = sorted((cap, key) for key, cap in gaps.items())
     filled: Dict[Tuple[int, int], List[int]] = {}
     rest = []
     for i in short_ids:
-        c = local_ms(lens[i], cost)
+        c = ms[i]
         k = bisect.bisect_left(free, (c, (-1, -1)))
         if k == len(free):
             rest.append(i)
@@ -222,18 +228,20 @@ def _fill_gaps(short_ids: Sequence[int], lens: Sequence[int], gaps: Dict[Tuple[i
     return filled, rest
 
 
-def _lpt(ids: Sequence[int], lens: Sequence[int], clock: List[float], cost: HdpCostModel) -> List[List[int]]:
-    """Step 2b: each sequence (costliest first) to the rank that ends first."""
+def _lpt(ids: Sequence[int], ms: Sequence[float], clock: List[float]) -> List[List[int]]:
+    """Step 2b: each sequence (costliest first) to the rank that ends first (``ms``: per sequence
+    id, its ``local_ms``)."""
     heap = [(t, r) for r, t in enumerate(clock)]
     heapq.heapify(heap)
     out: List[List[int]] = [[] for _ in clock]
     for i in ids:
         t, r = heapq.heappop(heap)
         out[r].append(i)
-        heapq.heappush(heap, (t + local_ms(lens[i], cost), r))
+        heapq.heappush(heap, (t + ms[i], r))
     return out
 
 
+@gc_paused
 def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
                  cost: Optional[HdpCostModel] = None, mode: str = "dp", spread: bool = True,
                  home: Optional[Sequence[int]] = None) -> Plan:
@@ -267,42 +275,72 @@ def _build(lens, R: int, C: int, cost: HdpCostModel, mode: str, spread: bool, ho
            cache: Optional[dict] = None) -> Plan:
     """One plan; ``home``: placement by locality (or None), ``loaded``: the loading ranks the
     notes count moved tokens against."""
-    by_length = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    short_ids = [i for i in by_length if lens[i] <= C]
-    share = sum(local_ms(lens[i], cost) for i in short_ids) / R
-    # with spread, a short sequence whose work alone exceeds a balanced rank's may get a ring too
-    ring_ids = [i for i in by_length if lens[i] > C or (spread and local_ms(lens[i], cost) > share)]
-    chosen = set(ring_ids)
-    short_ids = [i for i in short_ids if i not in chosen]
-    key = ("rings", spread)  # step 1 does not depend on home: the plans with and without share it
-    if cache is None or key not in cache:
-        placed = _place_rings(lens, ring_ids, short_ids, R, C, cost, spread, cache)
-        if cache is None:
-            cache = {}
-        cache[key] = placed
-    rings, clock, gaps, back = cache[key]
+    cache = {} if cache is None else cache
+    key = ("rings", spread)  # steps 1 and the order of step 2 do not depend on home: the plans share them
+    if key not in cache:
+        cache[key] = _rings_of(lens, R, C, cost, spread, cache)
+    rings, clock, gaps, short_ids = cache[key]
+    ms = _local_table(lens, cost, cache)
     if home is not None:
         rings, gaps, clock = relabel_rings(rings, gaps, clock, home, cost)
-    short_ids = sorted(short_ids + back, key=lambda i: (-lens[i], i))
     if mode == "dp":
-        filled, rest = _fill_gaps(short_ids, lens, gaps, cost, home)
+        filled, rest = _fill_gaps(short_ids, ms, gaps, home)
     else:
         filled, rest = {}, short_ids
-    tail = _lpt(rest, lens, clock, cost)
+    tail = _lpt(rest, ms, clock)
     local = False
     if home is not None and mode == "dp":
-        tail, local = home_first(rest, lens, clock, home, cost, tail)
-    plan = _emit(lens, R, C, mode, rings, filled, tail)
+        tail, local = home_first(rest, lens, clock, home, cost, tail, ms)
+    plan = _emit(lens, R, C, mode, rings, filled, tail, cache.setdefault("whole", {}))
     return _with_notes(plan, rings, filled, short_ids, C, loaded, local or home is None)
 
 
-def _emit(lens, R: int, C: int, mode: str, rings, filled, tail) -> Plan:
-    """Step 3: the micro-batches (module docstring)."""
+def _local_table(lens, cost: HdpCostModel, cache: dict) -> List[float]:
+    """Per sequence id, ``local_ms`` of its length (each length's computed once, kept in ``cache``)."""
+    if "local" not in cache:
+        by_len: Dict[int, float] = {}
+        cache["local"] = [by_len[L] if L in by_len else by_len.setdefault(L, local_ms(L, cost)) for L in lens]
+    return cache["local"]
+
+
+def _rings_of(lens, R: int, C: int, cost: HdpCostModel, spread: bool, cache: dict):
+    """Step 1 (``_place_rings``) on the batch's sequences, longest first: (rings, clock, gaps,
+    the short sequences, longest first, those a ring did not keep included)."""
+    by_length = cache.get("by_length")
+    if by_length is None:
+        import numpy as np  # longest first, ties by id: sorted(key=(-L, i))
+
+        by_length = cache["by_length"] = np.lexsort((np.arange(len(lens)), -np.array(lens, dtype=np.int64))).tolist()
+    ms = _local_table(lens, cost, cache)
+    short_ids = [i for i in by_length if lens[i] <= C]
+    share = sum(ms[i] for i in short_ids) / R
+    # with spread, a short sequence whose work alone exceeds a balanced rank's may get a ring too
+    ring_ids = [i for i in by_length if lens[i] > C or (spread and ms[i] > share)]
+    chosen = set(ring_ids)
+    short_ids = [i for i in short_ids if i not in chosen]
+    rings, clock, gaps, back = _place_rings(lens, ring_ids, short_ids, R, C, cost, spread, cache)
+    if back:
+        rank = {i: k for k, i in enumerate(by_length)}
+        short_ids = sorted(short_ids + back, key=rank.__getitem__)
+    return rings, clock, gaps, short_ids
+
+
+def _emit(lens, R: int, C: int, mode: str, rings, filled, tail, whole: Optional[dict] = None) -> Plan:
+    """Step 3: the micro-batches (module docstring). ``whole``: the shards of sequences held whole,
+    by id, shared by the plans of one batch (a ``Shard`` is immutable)."""
+    whole = {} if whole is None else whole
+
+    def held(i):
+        s = whole.get(i)
+        if s is None:
+            s = whole[i] = Shard(i, lens[i])
+        return s
+
     out: List[List[Tuple[Shard, ...]]] = [[] for _ in range(R)]
 
     def local_mbs(ids):
         ids = sorted(ids, key=lambda i: (-lens[i], i))
-        return [tuple(Shard(i, lens[i]) for i in b) for b in pack_first_fit(ids, lens, C)]
+        return [tuple(held(i) for i in b) for b in pack_first_fit(ids, lens, C)]
 
     for idx in sorted(range(len(rings)), key=lambda j: (rings[j].start, j)):
         ring = rings[idx]
@@ -320,7 +358,7 @@ def _emit(lens, R: int, C: int, mode: str, rings, filled, tail) -> Plan:
         slots = max(len(out[r]) + len(bins[r]) for r in range(R))
         for r in range(R):
             for b in split_to(bins[r], slots - len(out[r]), lens):
-                out[r].append(tuple(Shard(i, lens[i]) for i in b))
+                out[r].append(tuple(held(i) for i in b))
             out[r].extend([()] * (slots - len(out[r])))
     return Plan(scheduler="hdp", ranks=R, capacity_tokens=C, seq_lens=tuple(lens),
                 microbatches=tuple(tuple(mbs) for mbs in out), mode=mode)

@@ -84,8 +84,16 @@ class Shard:
 
     @property
     def tokens(self) -> int:
-        """Real tokens held (padding excluded)."""
-        return sum(b - a for a, b in self.ranges)
+        """Real tokens held (padding excluded): the lengths of ``ranges``, without building them."""
+        L = self.seq_len
+        if len(self.ring) < 2:
+            return L
+        n = len(self.ring)
+        c = chunk_tokens(L, n)
+        total = 0
+        for chunk in (self.position, 2 * n - 1 - self.position):
+            total += max(0, min((chunk + 1) * c, L) - chunk * c)
+        return total
 
     @property
     def rows(self) -> int:

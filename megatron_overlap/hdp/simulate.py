@@ -12,7 +12,7 @@ rank::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from .cost import HdpCostModel
 from .plan import Plan
@@ -30,11 +30,19 @@ class StepTime:
 
 
 def simulate(plan: Plan, cost: HdpCostModel) -> StepTime:
+    try:  # a plan is immutable, so is a cost model: each plan simulated once per model
+        hash(cost)
+    except TypeError:
+        return _simulate(plan, cost)
+    memo = plan.__dict__.setdefault("_simulated", {})  # left out of pickles: Plan.__getstate__
+    if cost not in memo:
+        memo[cost] = _simulate(plan, cost)
+    return memo[cost]
+
+
+def _simulate(plan: Plan, cost) -> StepTime:
     R = plan.ranks
-    rings = [[plan.ring_of(mb) for mb in mbs] for mbs in plan.microbatches]
-    dur = [[plan.item_ms(mb, cost, ring) for mb, ring in zip(mbs, rs)] for mbs, rs in zip(plan.microbatches, rings)]
-    keys = [[plan.ring_key(mb) if ring else None for mb, ring in zip(mbs, rs)]
-            for mbs, rs in zip(plan.microbatches, rings)]
+    rings, dur, keys = _items(plan, cost)
     now = [0.0] * R
     ptr = [0] * R
     phase_list = sorted({p for ph in plan.phases for p in ph})
@@ -73,6 +81,66 @@ def simulate(plan: Plan, cost: HdpCostModel) -> StepTime:
     return StepTime(step_ms=max(now) if now else 0.0, end_ms=now, work_ms=work)
 
 
+def _items(plan: Plan, cost):
+    """Per rank and micro-batch: its ring (``Plan.ring_of``), busy time (``Plan.item_ms``) and
+    ring key (``Plan.ring_key``, None for a local one), the same numbers: each shard's compute
+    taken once per (length, ring size) and each ring's exposed traffic once per ring, not once
+    per peer, then added in ``item_ms``' order."""
+    compute: dict = {}  # (L, n) -> compute_ms of one shard
+    exposed: dict = {}  # (rows, pairs, ring) -> exposed_ring_ms
+    single: dict = {}  # (L, ring) -> item_ms of a micro-batch of that one shard
+    overhead = cost.microbatch_overhead_ms
+    rings, dur, keys = [], [], []
+    for mbs in plan.microbatches:
+        rs, ds, ks = [], [], []
+        for mb in mbs:
+            if not mb:
+                rs.append(())
+                ds.append(0)  # item_ms of an empty micro-batch: sum(()) = 0
+                ks.append(None)
+                continue
+            if len(mb) == 1:  # the usual micro-batch: one shard, its time once per (length, ring)
+                s = mb[0]
+                key = (s.seq_len, s.ring)
+                d = single.get(key)
+                if d is None:  # item_ms: (0 + compute) + overhead (+ exposed), rows and pairs its own
+                    d = cost.compute_ms(s.rows, s.causal_pairs) + overhead
+                    d = single[key] = d + cost.exposed_ring_ms(s.rows, s.causal_pairs, s.ring) if s.ring else d
+                rs.append(s.ring)
+                ds.append(d)
+                ks.append((s.seq_id,) if s.ring else None)
+                continue
+            total, on_ring = 0, []
+            for s in mb:
+                key = (s.seq_len, len(s.ring))
+                c = compute.get(key)
+                if c is None:
+                    c = compute[key] = cost.compute_ms(s.rows, s.causal_pairs)
+                total += c
+                if s.ring:
+                    on_ring.append(s)
+            total += overhead
+            ring = () if not on_ring else on_ring[0].ring
+            if any(x.ring != ring for x in on_ring):
+                ring = Plan.ring_of(mb)  # raises: several rings in one micro-batch
+            if ring:
+                rows, pairs = sum(s.rows for s in on_ring), sum(s.causal_pairs for s in on_ring)
+                key = (rows, pairs, ring)
+                e = exposed.get(key)
+                if e is None:
+                    e = exposed[key] = cost.exposed_ring_ms(rows, pairs, ring)
+                total += e
+                ks.append(tuple(sorted(s.seq_id for s in on_ring)))
+            else:
+                ks.append(None)
+            rs.append(ring)
+            ds.append(total)
+        rings.append(rs)
+        dur.append(ds)
+        keys.append(ks)
+    return rings, dur, keys
+
+
 def sequence_options(seq_len: int, low: int, high: int, cost) -> Tuple[float, float]:
     """(the shortest per-peer time, the least total busy time) of one sequence over the ring
     sizes ``low``..``high`` (1: held whole), each ring within one node when it fits (the cheaper
@@ -101,6 +169,41 @@ def _options(seq_len: int, ranks: int, capacity_tokens: int, cost) -> Tuple[floa
     return sequence_options(seq_len, low, ranks, cost)
 
 
+def options_many(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, cost) -> Dict[int, Tuple[float, float]]:
+    """``_options`` of every distinct length, by length: the lengths whose scan is long
+    (``sequence_options``' numpy branch) scored together, a block of lengths x ring sizes at a
+    time, in the same float operations elementwise (so the same numbers; sizes below a length's
+    fewest ranks masked out of its minima); the others one by one."""
+    from .shard import ranks_needed
+
+    out: Dict[int, Tuple[float, float]] = {}
+    wide = []
+    for L in dict.fromkeys(seq_lens):
+        low = 1 if L <= capacity_tokens else ranks_needed(L, capacity_tokens)
+        if ranks - low > 16 and hasattr(cost, "peer_ms_many"):
+            wide.append((L, low))
+        else:
+            out[L] = sequence_options(L, low, ranks, cost)
+    if not wide:
+        return out
+    import numpy as np
+
+    ns = np.arange(2, ranks + 1)
+    intra = ns <= cost.gpus_per_node
+    for k in range(0, len(wide), 512):
+        block = wide[k:k + 512]
+        lens = np.array([L for L, _ in block], dtype=np.int64)[:, None]
+        lows = np.array([low for _, low in block])[:, None]
+        w = np.where(ns[None, :] >= lows, cost.peer_ms_many(lens, ns[None, :], intra[None, :]), np.inf)
+        best, area = w.min(axis=1).tolist(), (ns[None, :] * w).min(axis=1).tolist()
+        for (L, low), b, a in zip(block, best, area):
+            if low == 1:
+                one = cost.sequence_ms(L, 1)
+                b, a = min(one, b), min(one, a)
+            out[L] = (b, a)
+    return out
+
+
 def lower_bound_ms(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, cost) -> float:
     """No plan of these sequences on ``ranks`` ranks can take less (under ``cost``, micro-batch
     overheads left out)::
@@ -110,9 +213,6 @@ def lower_bound_ms(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, co
     w_i(n): sequence i's per-peer time on a ring of n (``cost.sequence_ms``), n from the fewest
     ranks that hold it to R. The first term is perfect balance of the least work, the second the
     longest sequence at its best spread."""
-    options = {}
-    for L in seq_lens:
-        if L not in options:
-            options[L] = _options(L, ranks, capacity_tokens, cost)
+    options = options_many(seq_lens, ranks, capacity_tokens, cost)
     total = sum(options[L][1] for L in seq_lens)
     return max(total / ranks, max(options[L][0] for L in seq_lens))

@@ -21,21 +21,30 @@ class RingSizes:
     whether it sits in one node. So each size costs O(R / gpus_per_node), not O(R log R)."""
 
     def __init__(self, seq_len: int, clock: List[float], cost: HdpCostModel, cache: Optional[dict] = None):
+        import numpy as np
+
         self.seq_len, self.clock, self.cost = seq_len, clock, cost
         R, gpn = len(clock), cost.gpus_per_node
-        self.order = sorted(range(R), key=lambda r: (clock[r], r))
-        self.prefix = _prefix([clock[r] for r in self.order])
-        self.nodes_upto = []  # nodes among the first n ranks of ``order``
-        seen = set()
-        for r in self.order:
-            seen.add(r // gpn)
-            self.nodes_upto.append(len(seen))
+        clk = np.asarray(clock, dtype=float)
+        order = np.lexsort((np.arange(R), clk))  # by (clock, rank), as sorted(key=(clock[r], r))
+        self._clk, self._sorted = clk, clk[order]
+        self._pre = np.concatenate(([0.0], np.cumsum(self._sorted)))  # accumulate: sequential, as _prefix
+        first = np.zeros(R, dtype=bool)
+        first[np.unique(order // gpn, return_index=True)[1]] = True
+        self._nodes_upto = np.cumsum(first)  # nodes among the first n ranks of ``order``
+        self._order = order
+        self.order, self.prefix, self.nodes_upto = order.tolist(), self._pre.tolist(), self._nodes_upto.tolist()
         self._node_order = None
+        self._node_arrays = None
+        self._best: Dict[int, tuple] = {}
         self.w: Dict[Tuple[int, int, bool], float] = {} if cache is None else cache  # (L, n, intra) -> peer time
 
     @property
     def node_order(self):
         """Per node, its ranks by clock and their clocks' prefix sums (built when first asked)."""
+        if self._node_order is None and len(self.clock) % self.cost.gpus_per_node == 0:
+            members, _, pre = self._nodes()
+            self._node_order = list(zip(members.tolist(), pre.tolist()))
         if self._node_order is None:
             gpn, clock = self.cost.gpus_per_node, self.clock
             by_node: Dict[int, List[int]] = {}
@@ -43,6 +52,20 @@ class RingSizes:
                 by_node.setdefault(r // gpn, []).append(r)
             self._node_order = [(m, _prefix([clock[r] for r in m])) for _, m in sorted(by_node.items())]
         return self._node_order
+
+    def _nodes(self):
+        """Every node full: (ranks by node, least busy first; their clocks; the clocks' prefix
+        sums, a leading 0 column), numpy arrays of one row per node."""
+        import numpy as np
+
+        if self._node_arrays is None:
+            gpn = self.cost.gpus_per_node
+            count = len(self.clock) // gpn
+            members = self._order[np.argsort(self._order // gpn, kind="stable")].reshape(count, gpn)
+            node_clock = self._clk[members]
+            pre = np.concatenate((np.zeros((count, 1)), np.cumsum(node_clock, axis=1)), axis=1)
+            self._node_arrays = (members, node_clock, pre)
+        return self._node_arrays
 
     def _w(self, n: int, intra: bool) -> float:
         key = (self.seq_len, n, intra)
@@ -59,18 +82,65 @@ class RingSizes:
 
         R = len(self.clock)
         ns = np.arange(lo, hi + 1)
-        start = np.array([self.clock[r] for r in self.order])[ns - 1]
-        waits = ns * start - np.array(self.prefix)[ns]
-        intra = np.array(self.nodes_upto)[ns - 1] == 1
+        start = self._sorted[ns - 1]
+        waits = ns * start - self._pre[ns]
+        intra = self._nodes_upto[ns - 1] == 1
         w = self.cost.peer_ms_many(self.seq_len, ns, intra)
         end = start + w
         est = np.maximum(end, (placed + ns * (end - start) + waits + rest_ms) / R)
         return dict(zip(ns.tolist(), est.tolist()))
 
+    def small_estimates(self, lo: int, hi: int, placed: float, rest_ms: float) -> Dict[int, float]:
+        """``estimates`` for the sizes 2 <= lo..hi <= gpus_per_node < R whose candidates are the n
+        least busy ranks and each node's n least busy (every node full): ``best``'s choice scored
+        for all sizes and nodes at once, the same float operations; a size whose tied candidates
+        start at different times is left out (``spread_choice`` asks ``best``)."""
+        import numpy as np
+
+        R = len(self.clock)
+        ns = np.arange(lo, hi + 1)
+        _, node_clock, node_pre = self._nodes()  # each node's clocks, least busy first
+        g_start = self._sorted[ns - 1]
+        g_intra = self._nodes_upto[ns - 1] == 1
+        L, cached = self.seq_len, self.w
+        if (L, hi, True) not in cached or (L, hi, False) not in cached:  # peer_ms_many: peer_ms's floats (tested)
+            both = np.concatenate((ns, ns))
+            flags = np.arange(len(both)) < len(ns)  # in one node, then across nodes
+            for n, intra, w in zip(both.tolist(), flags.tolist(), self.cost.peer_ms_many(L, both, flags).tolist()):
+                cached.setdefault((L, n, intra), w)
+        g_w = np.array([self._w(n, bool(i)) for n, i in zip(ns.tolist(), g_intra.tolist())])
+        w_in = np.array([self._w(n, True) for n in ns.tolist()])
+        g_end, g_waits = g_start + g_w, ns * g_start - self._pre[ns]
+        n_start = node_clock[:, ns - 1]
+        n_end, n_waits = n_start + w_in, ns * n_start - node_pre[:, ns]
+        best_end = np.minimum(g_end, n_end.min(axis=0))
+        n_pool = n_end <= best_end + NODE_SLACK * w_in
+        g_pool = g_intra & (g_end <= best_end + NODE_SLACK * g_w)
+        empty = ~(n_pool.any(axis=0) | g_pool)
+        n_pool |= empty
+        g_pool |= empty
+        ends = np.vstack((g_end, n_end))
+        waits = np.vstack((g_waits, n_waits))
+        starts = np.vstack((g_start, n_start))
+        pool = np.vstack((g_pool, n_pool))
+        top_end = np.where(pool, ends, np.inf).min(axis=0)
+        tied = pool & (ends == top_end)
+        top_waits = np.where(tied, waits, np.inf).min(axis=0)
+        tied &= waits == top_waits
+        start = np.where(tied, starts, np.inf).min(axis=0)
+        same = start == np.where(tied, starts, -np.inf).max(axis=0)
+        est = np.maximum(top_end, (placed + ns * (top_end - start) + top_waits + rest_ms) / R)
+        return {n: e for n, e, ok in zip(ns.tolist(), est.tolist(), same.tolist()) if ok}
+
     def best(self, n: int):
         """(ring, start, end, the peers' waits) of size n (``scheduler`` module docstring, step 1):
         the earliest end, an intra-node ring unless it ends more than NODE_SLACK x its time
         later; ties: the smaller waits, then the lower rank ids."""
+        if n not in self._best:
+            self._best[n] = self._best_of(n)
+        return self._best[n]
+
+    def _best_of(self, n: int):
         clock, gpn, R = self.clock, self.cost.gpus_per_node, len(self.clock)
         start = clock[self.order[n - 1]]
         intra = self.nodes_upto[n - 1] == 1
@@ -112,9 +182,11 @@ def spread_choice(seq_len: int, low: int, clock: List[float], cost: HdpCostModel
     sizes = RingSizes(seq_len, clock, cost, cache)
     high = R if spread else low
     estimates = {}
+    gpn = cost.gpus_per_node
     if high - low > 16 and hasattr(cost, "peer_ms_many"):
-        estimates = sizes.estimates(max(low, 2, cost.gpus_per_node + 1 if cost.gpus_per_node < R else 2), high,
-                                    placed, rest_ms)
+        estimates = sizes.estimates(max(low, 2, gpn + 1 if gpn < R else 2), high, placed, rest_ms)
+        if gpn < R and R % gpn == 0 and max(low, 2) <= gpn:
+            estimates.update(sizes.small_estimates(max(low, 2), gpn, placed, rest_ms))
     best = None
     for n in range(low, high + 1):
         if n in estimates:
