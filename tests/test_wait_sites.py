@@ -16,12 +16,6 @@ PG_TIMEOUT_S = 60  # what the overlap timeout must beat: a wait that ran into it
 CASES = ("tp_freeze", "cp_kill", "hdp_ring_freeze", "hdp_exchange_freeze", "pp_freeze")
 
 
-def _free_port():
-    from megatron_overlap.lab.rank_pool import _free_port as free
-
-    return free()
-
-
 def _setup(which: str):
     """Every rank: Megatron's groups (the 60 s timeout), the plugin with the 2 s bound, a model."""
     import megatron_overlap
@@ -79,13 +73,14 @@ def _survivor(which, inst, model, step):
         return default_forward(model, ring)
 
 
-def _rank(rank, port, which, results):
+def _rank(rank, store_path, which, results):
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("gloo", rank=rank, world_size=2, store=store,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     try:
+        # a file store: a port picked free can be taken by another process before the store listens
+        store = dist.FileStore(store_path, 2)
+        dist.init_process_group("gloo", rank=rank, world_size=2, store=store,
+                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
         inst, model = _setup(which)
         step = _hdp_step(inst, rank) if which == "hdp_ring_freeze" else None
         dist.barrier()
@@ -106,7 +101,7 @@ def _rank(rank, port, which, results):
         results.put((which, f"{type(exc).__name__}: {exc}", time.monotonic() - t0))
 
 
-def test_a_frozen_or_dead_peer_ends_the_wait_in_the_timeout_naming_op_layer_and_peer():
+def test_a_frozen_or_dead_peer_ends_the_wait_in_the_timeout_naming_op_layer_and_peer(tmp_path):
     import megatron.core.models.gpt  # noqa: F401  (imported once here, inherited by the forked ranks)
     import torch.distributed as dist
 
@@ -114,8 +109,8 @@ def test_a_frozen_or_dead_peer_ends_the_wait_in_the_timeout_naming_op_layer_and_
     results = ctx.Queue()
     procs = []
     for which in CASES:
-        port = _free_port()
-        procs += [ctx.Process(target=_rank, args=(r, port, which, results)) for r in range(2)]
+        store_path = str(tmp_path / f"store-{which}")
+        procs += [ctx.Process(target=_rank, args=(r, store_path, which, results)) for r in range(2)]
     for p in procs:
         p.start()
     got = {}
