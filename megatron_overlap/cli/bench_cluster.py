@@ -185,27 +185,15 @@ def predict(cfg: ClusterConfig, described: list) -> dict:
 def stage_syncs(cfg: ClusterConfig, costs, described: list, hw) -> list:
     """Each stage's ``DPSync`` from the buckets its ranks built (modelled elements: / scale)."""
     from ..pp.simulate import DPSync
-    from ..tune.comm import all_gather_cost, reduce_scatter_cost, all_reduce_cost
+    from ..tune.virtual import bucket_sync
 
     if cfg.dp <= 1:
         return [DPSync() for _ in range(cfg.pp)]
     link = hw.link_for(cfg.tp * cfg.dp)
     by_stage = {d["stage"]: d for d in described}
-    out = []
-    for stage in range(cfg.pp):
-        d = by_stage[stage]
-        sizes = [n / d["scale"] for n in d["buckets"]]
-        chunks = d.get("bucket_chunks") or []
-        reduce = reduce_scatter_cost if cfg.distributed_optimizer else all_reduce_cost
-        rs = [reduce(4.0 * n, cfg.dp, link) for n in sizes]
-        # parameters in the order the forward needs them: each chunk's buckets reversed, chunk by chunk
-        order = sorted(range(len(sizes)), key=lambda i: (chunks[i], -i)) if chunks else list(reversed(range(len(sizes))))
-        ag = [all_gather_cost(hw.dtype_bytes * sizes[i], cfg.dp, link) for i in order] \
-            if cfg.distributed_optimizer else []
-        out.append(DPSync(reduce_ms=tuple(c.busy_ms for c in rs), gather_ms=tuple(c.busy_ms for c in ag),
-                          latency_ms=rs[0].latency_ms, reduce_chunks=tuple(chunks),
-                          gather_chunks=tuple(chunks[i] for i in order) if chunks and ag else ()))
-    return out
+    return [bucket_sync([n / by_stage[s]["scale"] for n in by_stage[s]["buckets"]],
+                        by_stage[s].get("bucket_chunks") or [], cfg.dp, link, hw.dtype_bytes,
+                        cfg.distributed_optimizer, cfg.distributed_optimizer) for s in range(cfg.pp)]
 
 
 def summarize(cfg: ClusterConfig, rounds: list, described: list, floor_time_s: float = 120.0) -> dict:

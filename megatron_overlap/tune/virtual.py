@@ -68,7 +68,6 @@ def chunk_syncs(work, run, hw, options: DPOptions, v: int, kind: str) -> list:
     if ranks <= 1:
         return [DPSync() for _ in work]
     link = hw.link_for(run.tp * run.cp * run.dp)
-    reduce = reduce_scatter_cost if options.distributed_optimizer else all_reduce_cost
     gather = options.distributed_optimizer and options.overlap_param_gather
     out = []
     for stage, params in enumerate(stage_params(work)):
@@ -78,14 +77,25 @@ def chunk_syncs(work, run, hw, options: DPOptions, v: int, kind: str) -> list:
             mine = buckets(share, stage_bucket_size(ranks, stage, options.overlap_grad_reduce) if c == 0 else None)
             sizes += mine
             chunks += [c] * len(mine)
-        rs = [reduce(4.0 * n, ranks, link) for n in sizes]
-        order = sorted(range(len(sizes)), key=lambda i: (chunks[i], -i))  # each chunk's forward order
-        ag = [all_gather_cost(hw.dtype_bytes * sizes[i], ranks, link) for i in order] if gather else []
-        out.append(DPSync(reduce_ms=tuple(c.busy_ms for c in rs), gather_ms=tuple(c.busy_ms for c in ag),
-                          latency_ms=rs[0].latency_ms, gather_at_start=True, reduce_chunks=tuple(chunks),
-                          gather_chunks=tuple(chunks[i] for i in order) if ag else (),
-                          sync_delay=stage if kind == "megatron" else 0))
+        out.append(bucket_sync(sizes, chunks, ranks, link, hw.dtype_bytes, options.distributed_optimizer, gather,
+                               gather_at_start=True, sync_delay=stage if kind == "megatron" else 0))
     return out
+
+
+def bucket_sync(sizes, chunks, ranks: int, link, dtype_bytes: float, distributed_optimizer: bool, gather: bool,
+                **kw) -> DPSync:
+    """One stage's ``DPSync`` from its DDP buckets (elements, in the order the backward fills
+    them; ``chunks``: each bucket's model chunk, or empty for one DDP): fp32 gradients
+    reduce-scattered (distributed optimizer) or all-reduced, bf16 parameters all-gathered
+    (``gather``) in the order the forward needs them, each chunk's buckets reversed, chunk by
+    chunk. ``kw``: the other ``DPSync`` fields."""
+    reduce = reduce_scatter_cost if distributed_optimizer else all_reduce_cost
+    rs = [reduce(4.0 * n, ranks, link) for n in sizes]
+    order = sorted(range(len(sizes)), key=lambda i: (chunks[i] if chunks else 0, -i))
+    ag = [all_gather_cost(dtype_bytes * sizes[i], ranks, link) for i in order] if gather else []
+    return DPSync(reduce_ms=tuple(c.busy_ms for c in rs), gather_ms=tuple(c.busy_ms for c in ag),
+                  latency_ms=rs[0].latency_ms, reduce_chunks=tuple(chunks),
+                  gather_chunks=tuple(chunks[i] for i in order) if chunks and ag else (), **kw)
 
 
 def _bench_setting():
