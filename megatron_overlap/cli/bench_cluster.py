@@ -38,7 +38,7 @@ import sys
 from dataclasses import asdict, fields, replace
 
 from ..lab.cluster import ALL_MODES, MODES, ClusterConfig
-from .cluster_virtual import VIRTUAL_MODES, check_virtual, chunk_syncs, virtual_floor
+from .cluster_virtual import VIRTUAL_MODES, check_virtual, schedule_syncs, virtual_floor
 
 NAMES = {"stock": "stock Megatron 1F1B", "1f1b": "1f1b (async P2P)", "zb": "zb (ZB-H1, drained)",
          "1f1b-inflight": "1f1b, K = 2p-1", "zbv": "zbv (ZB-V)"}
@@ -172,7 +172,7 @@ def predict(cfg: ClusterConfig, described: list) -> dict:
         k = min(cfg.microbatches, 2 * cfg.pp - 1) if mode == "1f1b-inflight" else 0
         schedule = build(kind, cfg.pp, cfg.microbatches, k, times=times if kind in ("zb", "zbv") else (1.0, 1.0, 1.0),
                          chunks=cfg.vpp)
-        dp = chunk_syncs(syncs, kind, cfg.vpp)
+        dp = schedule_syncs(syncs, kind, cfg.vpp)
         on = simulate(schedule, costs.times, link, dp)
         no_dp = simulate(schedule, costs.times, link)
         alone = simulate(schedule, costs.times, free)

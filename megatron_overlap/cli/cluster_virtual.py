@@ -17,7 +17,7 @@ placement, at the memory the issue allows: 1.05x stock interleaved's peak per st
 
 from __future__ import annotations
 
-VIRTUAL_MODES = ("stock", "1f1b", "zb", "zbv")
+from ..lab.cluster_chunks import VIRTUAL_MODES
 VIRTUAL_NAMES = {"stock": "stock Megatron interleaved 1F1B", "1f1b": "1f1b interleaved (async P2P)",
                  "zb": "zb interleaved (B/W split)", "zbv": "zbv (ZB-V)"}
 
@@ -42,7 +42,7 @@ def check_virtual(cfg, layers: int, error) -> None:
                     "model chunks")
 
 
-def chunk_syncs(syncs, kind: str, v: int) -> list:
+def schedule_syncs(syncs, kind: str, v: int) -> list:
     """The simulator's per-chunk sync of each stage for schedule ``kind``."""
     if v == 1:
         return syncs if kind == "megatron" else [d.replace(gather_at_start=True) for d in syncs]
