@@ -219,7 +219,7 @@ def _dp_groups(ddp) -> list:
 
 
 def _virtual(v: int):
-    from .cluster_chunks import virtual_pipeline
+    from .virtual_gpt import virtual_pipeline
 
     return virtual_pipeline(v) if v > 1 else contextlib.nullcontext()
 

@@ -41,14 +41,6 @@ def chunk_blocks(blocks, v: int) -> list:
                     params=tuple(max(1, n // v) for n in b.params)) for b in blocks]
 
 
-@contextlib.contextmanager
-def virtual_pipeline(v: int):
-    from .virtual_gpt import virtual_pipeline as vp
-
-    with vp(v):
-        yield
-
-
 class ChunkReplica:
     """One schedule's copy of this rank's ``v`` chunks: the modules, their DDPs, one optimizer."""
 
