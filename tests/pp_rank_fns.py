@@ -171,20 +171,34 @@ def vpp_runs_distopt(pp: int, v: int, runs: list, steps: int) -> dict:
     from megatron_overlap.lab.tiny_gpt import TinyGPT
     from megatron_overlap.lab.virtual_gpt import VirtualPipelineTrainer
 
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
     spec = TinyGPT(num_layers=2 * pp * v, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=256, seq=32, micro_batch=2)
-    out = {}
+    out, dispatched, where = {}, [], {}
+    original = _ParamAndGradBucketGroup.start_param_sync
+
+    def start_param_sync(self, *args, **kwargs):  # which chunk's which bucket group, in dispatch order
+        dispatched.append(where.get(id(self)))
+        return original(self, *args, **kwargs)
+
+    _ParamAndGradBucketGroup.start_param_sync = start_param_sync
     try:
         for mode, m in runs:
             trainer = VirtualPipelineTrainer(PipelineGPT(spec=spec, pp=pp, microbatches=m), v, True,
                                              distributed_optimizer=True)
+            where.clear()
+            where.update({id(g): (c, k) for c, d in enumerate(trainer.ddps) for k, g in enumerate(d.bucket_groups)})
             inst = _install(mode, None, 1)
             grads, losses = [], []
             for step in range(steps):
+                dispatched.clear()
                 losses.append(trainer.step(step, on_grads=grads.append if step == 0 else None))
+                order = list(dispatched) if step == 0 else order
             out[f"{mode}/{m}"] = {"losses": losses, "grads": grads[0], "params": trainer.state(),
-                                  "calls": dict(inst.calls) if inst is not None else {}}
+                                  "calls": dict(inst.calls) if inst is not None else {}, "gathers": order}
             megatron_overlap.uninstall()
     finally:
+        _ParamAndGradBucketGroup.start_param_sync = original
         megatron_overlap.uninstall()
     return out
 

@@ -155,6 +155,29 @@ def test_emulated_cluster_refuses_virtual_pipelines_it_cannot_run():
     check(ClusterConfig(vpp=2, modes=("stock", "zb", "zbv")), cores=2, memory_gb=24)  # the benchmark's: fine
 
 
+def test_the_simulator_gathers_a_chunks_parameters_in_the_order_dispatched():
+    """A chunk's parameter buckets on one data-parallel port, dispatched at the step's start: in
+    the order the forward needs them (ours) the chunk's first forward starts once its first
+    bucket is in and runs each bucket's share once that one is; in bucket order (stock's
+    ``gather_aligned``: the last layers' bucket first) it waits for all of them."""
+    from megatron_overlap.pp import build
+    from megatron_overlap.pp.simulate import DPSync, StageTimes, simulate
+
+    times = [StageTimes(12.0, 10.0, 10.0)] * 2  # a chunk's forward: 6 ms
+    sync = DPSync(reduce_ms=(1.0, 1.0), reduce_chunks=(0, 1), gather_ms=(2.0, 3.0, 4.0, 5.0),
+                  gather_chunks=(0, 0, 0, 1), gather_at_start=True)  # chunk 0's three in forward order
+    schedule = build("megatron", 2, 2, chunks=2)
+    # forward order: in at 2, 5, 9 ms; shares of 6 ms by size (2/9, 3/9, 4/9): 2 -> 3.33, wait to 5
+    # -> 7, wait to 9 -> 11.67. Bucket order: the 4 ms bucket (last layers) first, all in at 9 ms.
+    for aligned, span, port in ((False, (2.0, 9.0 + 6 * 4 / 9), [(0.0, 2.0), (2.0, 5.0), (5.0, 9.0)]),
+                                (True, (9.0, 15.0), [(0.0, 4.0), (4.0, 7.0), (7.0, 9.0)])):
+        sim = simulate(schedule, times, dp=[sync.replace(gather_aligned=aligned)] * 2)
+        label, start, end = sim.timeline[0][0]
+        assert label == "F0" and abs(start - span[0]) < 1e-9 and abs(end - span[1]) < 1e-9, (aligned, sim.timeline[0])
+        ag = [(a, b) for op, a, b in sim.dp_spans[0] if op == "AG"]
+        assert ag == port + [(9.0, 14.0)], (aligned, ag)  # then chunk 1's
+
+
 def test_the_simulator_dispatches_each_chunks_buckets_after_its_last_gradient():
     """One DDP per chunk: a chunk's buckets leave at the end of its last B (its last W when
     split), or ``sync_delay`` backwards later (Megatron's interleaved stagger), one after the

@@ -43,12 +43,18 @@ def test_distributed_optimizer_with_overlapped_gathers_keeps_the_numerics(pool4)
     """PP=2 x VPP=2 x DP=2, Megatron's distributed optimizer (Adam, clipping) with
     overlap_grad_reduce and overlap_param_gather, align_param_gather (each chunk's gather launched
     by the schedule): losses, every gradient buffer after one step and every parameter after the
-    last bit-identical to Megatron's interleaved 1F1B."""
+    last bit-identical to Megatron's interleaved 1F1B. The gathers: stock dispatches a chunk's
+    bucket groups in their order (bucket 0 holds the chunk's last layers, so its first forward
+    waits for all of them); ours the same groups last first, the order the forward needs them."""
     runs = [(mode, 4) for mode in ("off", "1f1b", "zb")]
     for rank, per_run in enumerate(pool4.run(pp_rank_fns.vpp_runs_distopt, 2, 2, runs, 3)):
         stock = per_run["off/4"]
+        chunk0 = [k for c, k in stock["gathers"] if c == 0]
+        assert chunk0 == sorted(chunk0) and (len(chunk0) > 1) == (rank < 2), (rank, stock["gathers"])  # bucketed on stage 0
         for mode in ("1f1b", "zb"):
             ours = per_run[f"{mode}/4"]
+            assert ours["gathers"] == [(c, k) for c in (0, 1) for k in sorted(
+                (k for cc, k in stock["gathers"] if cc == c), reverse=True)], (rank, mode, ours["gathers"])
             for a, b in zip(ours["losses"], stock["losses"]):
                 assert abs(a - b) <= TOL * abs(b), (rank, mode, ours["losses"], stock["losses"])
             for name in ("grads", "params"):

@@ -5,7 +5,8 @@ floor at 1.05x stock interleaved's activation memory.
 Megatron-LM builds one DDP per model chunk; its interleaved schedule dispatches a chunk's
 gradient buckets ``pipeline rank`` backwards after the chunk's last one (``sync_delay``), ours
 when the chunk's last gradient is in; both gather chunks 0 and 1's parameters at the step's
-start (``align_param_gather``). The simulator takes that from ``DPSync.reduce_chunks``.
+start (``align_param_gather``), stock in bucket order (last layers first, ``gather_aligned``),
+ours in the order the forward needs them. The simulator takes that from ``DPSync.reduce_chunks``.
 
 The floor (``pp/optimal.py``) prices a stage's data-parallel sync as one block after the
 stage's last gradient. With one DDP per chunk only the chunk that finishes last is certain to
@@ -46,7 +47,9 @@ def schedule_syncs(syncs, kind: str, v: int) -> list:
     """The simulator's per-chunk sync of each stage for schedule ``kind``."""
     if v == 1:
         return syncs if kind == "megatron" else [d.replace(gather_at_start=True) for d in syncs]
-    return [d.replace(gather_at_start=True, sync_delay=s if kind == "megatron" else 0) for s, d in enumerate(syncs)]
+    stock = kind == "megatron"
+    return [d.replace(gather_at_start=True, sync_delay=s if stock else 0, gather_aligned=stock)
+            for s, d in enumerate(syncs)]
 
 
 def relaxed_syncs(syncs) -> list:

@@ -9,7 +9,9 @@ and ``backward_step``. Around them it does what Megatron's interleaved schedule 
   each chunk's last backward (as stock); with it, each chunk's gradient sync is launched once
   its last gradient is in (after its last B, or in a split schedule its last W) and the rest at
   the end; the first two chunks' parameter gathers at the start, chunk c's before its first
-  forward (stock launches them a few virtual micro-batches earlier: timing only);
+  forward (stock launches them a few virtual micro-batches earlier: timing only). Where that
+  function is Megatron DDP's ``start_param_sync`` (``align_param_gather``), a chunk's bucket
+  all-gathers are dispatched in the order its forward needs them (``_gather_params``);
 - the embedding's activation buffer and weight gradient, ``finalize_model_grads_func`` over
   the list of chunks, the token count, forward-only (the syncs disabled, as stock).
 
@@ -59,6 +61,34 @@ def make_interleaved_executor(inst):
 
     forward_backward.megatron_overlap_schedule = True
     return forward_backward
+
+
+def _gather_params(func, chunk) -> None:
+    """Dispatch model chunk ``chunk``'s parameter all-gathers (``param_sync_func``).
+
+    Megatron-LM's ``align_param_gather`` makes ``param_sync_func`` each chunk's DDP
+    ``start_param_sync``, which dispatches the chunk's bucket groups in their order: bucket 0 holds
+    the chunk's *last* layers (buckets fill in backward order), so the chunk's first forward waits
+    until every bucket is gathered. The same collectives dispatched last bucket first (the order
+    Megatron's own forward-hook chain uses without ``align_param_gather``) let the forward start
+    once its first layers' bucket is in, and each later bucket arrives while earlier layers
+    compute. Only the order changes (an all-gather copies). Anything else (another function,
+    Megatron FSDP, gathers overlapped with the optimizer step or not asynchronous) is called as
+    stock calls it."""
+    ddp = getattr(func, "__self__", None)
+    cfg = getattr(ddp, "ddp_config", None)
+    groups = getattr(ddp, "all_bucket_groups", None)  # megatron-core >= 0.17 keeps one list
+    if groups is None:
+        groups = list(getattr(ddp, "bucket_groups", ())) + list(getattr(ddp, "expert_parallel_bucket_groups", ()))
+    plain = (getattr(func, "__name__", "") != "start_param_sync" or cfg is None or not groups
+             or not getattr(cfg, "overlap_param_gather", False) or getattr(cfg, "with_megatron_fsdp_code_path", False)
+             or getattr(ddp, "overlap_param_gather_with_optimizer_step", False)
+             or any(getattr(g, "param_gather_dispatched", True) for g in groups))
+    if plain:
+        func(chunk.parameters())
+        return
+    for group in reversed(groups):
+        group.start_param_sync()
 
 
 class _VRun(_Run):
@@ -117,7 +147,7 @@ class _VRun(_Run):
         sync.disable()
         if config.param_sync_func is not None:
             for c in range(min(2, self.v)):
-                config.param_sync_func[c](self.models[c].parameters())
+                _gather_params(config.param_sync_func[c], self.models[c])
         self._steps(sync)
         if saved is not None:
             config.grad_sync_func, config.param_sync_func = saved
@@ -148,7 +178,7 @@ class _VRun(_Run):
                 sync.enable()  # stock: before the chunk's last backward, and left on
                 sync.synced.add(action.chunk)
             if action.op == F and action.chunk not in gathered and config.param_sync_func is not None:
-                config.param_sync_func[action.chunk](self.models[action.chunk].parameters())
+                _gather_params(config.param_sync_func[action.chunk], self.models[action.chunk])
                 gathered.add(action.chunk)
             t0 = time.perf_counter()
             self._run(action)

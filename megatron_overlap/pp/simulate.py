@@ -76,10 +76,13 @@ class DPSync:
     gather_at_start: bool = False
     # virtual pipelines (one DDP per model chunk): the chunk of each reduce and gather bucket;
     # ``sync_delay``: a chunk's buckets leave that many backwards after its last one (Megatron's
-    # interleaved schedule staggers them by the pipeline rank); see ``_ChunkDP``
+    # interleaved schedule staggers them by the pipeline rank); ``gather_aligned``: a chunk's
+    # gathers leave in bucket order, last layers first (Megatron's ``start_param_sync`` under
+    # ``align_param_gather``), so its first forward waits for all of them; see ``_ChunkDP``
     reduce_chunks: Tuple[int, ...] = ()
     gather_chunks: Tuple[int, ...] = ()
     sync_delay: int = 0
+    gather_aligned: bool = False
 
     def __post_init__(self):
         if any(x < 0 for x in self.reduce_ms + self.gather_ms) or self.latency_ms < 0:
@@ -313,8 +316,10 @@ class _ChunkDP(_DPState):
     last gradient is in (the end of its last B, or of its last W in a split schedule), or
     ``sync_delay`` backwards later; those of a chunk that never reaches that point at the stage's
     last compute. Parameter buckets: chunks 0 and 1 all dispatched at the step's start
-    (``gather_at_start``, else at their first forward), a later chunk's at its first forward;
-    a chunk's first forward runs each bucket's share once it is gathered."""
+    (``gather_at_start``, else at their first forward), a later chunk's at its first forward,
+    in the order the forward needs them, or with ``gather_aligned`` in bucket order (stock's: the
+    first layers' bucket last); a chunk's first forward runs each bucket's share once it is
+    gathered."""
 
     def __init__(self, sync: DPSync, schedule: Schedule, s: int):
         super().__init__(sync.replace(gather_at_start=False))
@@ -336,8 +341,12 @@ class _ChunkDP(_DPState):
                 self._gather(c, 0.0)
 
     def _gather(self, chunk: int, ready: float) -> List[float]:
-        self.gathered[chunk] = [self._book("AG", ready, ms) for ms, c in zip(self.sync.gather_ms, self.sync.gather_chunks)
-                                if c == chunk]
+        """Book ``chunk``'s gathers on the port; when each is in, in the order the forward needs them."""
+        sizes = [ms for ms, c in zip(self.sync.gather_ms, self.sync.gather_chunks) if c == chunk]
+        if self.sync.gather_aligned:
+            self.gathered[chunk] = [self._book("AG", ready, ms) for ms in reversed(sizes)][::-1]
+        else:
+            self.gathered[chunk] = [self._book("AG", ready, ms) for ms in sizes]
         return self.gathered[chunk]
 
     def forward(self, start: float, dur: float, chunk: int = 0) -> float:

@@ -12,7 +12,8 @@ parameter of its stage (the emulated cluster's assumption, ``lab/cluster_chunks.
 bucketed as the stage is (only stage 0 has several buckets), later chunks one bucket each; a
 chunk's buckets leave at its last gradient (stock: ``pipeline rank`` backwards later, as
 Megatron's interleaved schedule staggers them), chunks 0 and 1 gather their parameters from
-the step's start (``align_param_gather``).
+the step's start (``align_param_gather``): stock in bucket order, the chunk's last layers first
+(so its first forward waits for every bucket), ours in the order the forward needs them.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def chunk_syncs(work, run, hw, options: DPOptions, v: int, kind: str) -> list:
             sizes += mine
             chunks += [c] * len(mine)
         out.append(bucket_sync(sizes, chunks, ranks, link, hw.dtype_bytes, options.distributed_optimizer, gather,
-                               gather_at_start=True, sync_delay=stage if kind == "megatron" else 0))
+                               gather_at_start=True, sync_delay=stage if kind == "megatron" else 0,
+                               gather_aligned=kind == "megatron"))
     return out
 
 
