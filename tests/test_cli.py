@@ -451,9 +451,13 @@ def test_bench_pp_refuses_a_layout_it_cannot_split():
 
 
 def test_demo_pipeline(tmp_path):
-    out = cli("demo", "--pp", "2", "--steps", "2", "--no-progress", "--json", "--out", str(tmp_path), timeout=900)
+    """``demo --pp 2`` at hidden 128 (768 by default: the identity of the losses does not depend
+    on the size, the demo's 10 steps at 768 take ~45 s here)."""
+    out = cli("demo", "--pp", "2", "--steps", "2", "--hidden", "128", "--no-progress", "--json", "--out",
+              str(tmp_path), timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["config"]["hidden"] == 128 and result["config"]["ffn"] == 512
     assert result["identical"] and len(result["losses"]["zb"]) == 2
     assert result["losses"]["stock"] == result["losses"]["zb"]
     assert (tmp_path / "pp_timeline.png").stat().st_size > 10_000

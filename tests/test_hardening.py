@@ -265,11 +265,15 @@ def test_auto_and_install_apply_the_same_rule():
     (["demo", "--tp", "3", "--world", "3"], "demo: --tp: the tiny GPT (8 heads, 2 key/value heads, seq 1024) cannot"),
     (["demo", "--comm-ratio", "nan"], "demo: --comm-ratio must be a finite number > 0, got nan"),
     (["demo", "--pp", "0"], "demo --pp: --pp must be a whole number >= 2, got 0"),
+    (["demo", "--pp", "2", "--hidden", "0"], "demo --pp: --hidden must be a whole number >= 1, got 0"),
+    (["demo", "--pp", "2", "--hidden", "100"], "demo --pp: --hidden 100 must be a multiple of the pipeline model's 8 "
+                                               "heads"),
     (["bench", "mlp", "--tp", "1"], "bench mlp: --tp must be a whole number >= 2, got 1"),
     (["bench", "attention", "--kv-heads", "0"], "bench attention: --kv-heads must be a whole number >= 1"),
     (["bench", "pp", "--steps", "0"], "bench pp: --steps must be a whole number >= 1, got 0"),
     (["floor", "--times", "1/1/1", "--stages", "2", "--transfer-ms", "inf"], "floor: --transfer-ms must be a finite"),
-], ids=["demo-cp-3", "demo-world-0", "demo-tp-3", "demo-nan", "demo-pp-0", "bench-mlp-tp-1", "bench-attention-kv-0",
+], ids=["demo-cp-3", "demo-world-0", "demo-tp-3", "demo-nan", "demo-pp-0", "demo-pp-hidden-0",
+        "demo-pp-hidden-100", "bench-mlp-tp-1", "bench-attention-kv-0",
         "bench-pp-steps-0", "floor-inf"])
 def test_commands_refuse_bad_arguments_before_any_rank_starts(monkeypatch, argv, words):
     """Finding: `demo --cp 3` and `demo --world 0` failed with a shape error or IndexError after

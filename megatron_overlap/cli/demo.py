@@ -287,22 +287,26 @@ def _refuse_unused(args) -> None:
 
 
 def _pp_main(args) -> int:
-    """``demo --pp N``: its own model, link and ranks; it reads only --steps, --out, --json,
-    --no-progress."""
+    """``demo --pp N``: its own model, link and ranks; it reads only --steps, --hidden (the FFN
+    4x it), --out, --json, --no-progress."""
     import json as _json
 
-    from .demo_pp import format_pp_demo, run_pp_demo
+    from .demo_pp import PP_HEADS, PP_HIDDEN, format_pp_demo, run_pp_demo
 
-    given = [n for n in _given(args, _TRAINING_FLAGS + ("hdp", "hdp_capacity")) if n not in ("steps", "out")]
+    given = [n for n in _given(args, _TRAINING_FLAGS + ("hdp", "hdp_capacity")) if n not in ("steps", "hidden", "out")]
     if given:
         names = ", ".join("--" + n.replace("_", "-").replace("-gbps", "-GBps") for n in given)
         raise SystemExit(f"demo --pp runs its own pipeline (one rank per stage) and does not read {names}; drop "
-                         f"{'them' if len(given) > 1 else 'it'} (it takes --steps, --out, --json, --no-progress)")
+                         f"{'them' if len(given) > 1 else 'it'} (it takes --steps, --hidden, --out, --json, "
+                         "--no-progress)")
     from .checks import counts
 
-    counts("demo --pp", pp=(args.pp, 2), steps=(args.steps if args.steps is not None else 8, 1))
+    hidden = args.hidden if args.hidden is not None else PP_HIDDEN
+    counts("demo --pp", pp=(args.pp, 2), steps=(args.steps if args.steps is not None else 8, 1), hidden=(hidden, 1))
+    if hidden % PP_HEADS:
+        raise SystemExit(f"demo --pp: --hidden {hidden} must be a multiple of the pipeline model's {PP_HEADS} heads")
     result = run_pp_demo(args.pp, steps=args.steps or 8, out_dir=args.out or "runs/demo",
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, hidden=hidden)
     print(format_pp_demo(result))
     if args.json:
         print(_json.dumps(result))
@@ -319,7 +323,7 @@ def add_demo_args(parser: argparse.ArgumentParser):
     parser.add_argument("--tp", type=int, default=None,
                         help=f"tensor-parallel size (divides --world; default {d.tp}, 1 with --cp)")
     parser.add_argument("--seq", type=int, default=None, help=f"default {d.seq}")
-    parser.add_argument("--hidden", type=int, default=None, help=f"default {d.hidden}")
+    parser.add_argument("--hidden", type=int, default=None, help=f"default {d.hidden} (demo --pp: 768, FFN 4x)")
     parser.add_argument("--layers", type=int, default=None, help=f"default {d.layers}")
     parser.add_argument("--bandwidth-GBps", dest="bandwidth_GBps", type=float, default=None,
                         help="emulated link bandwidth; 0 (default) sets it so the transfers of a "

@@ -18,9 +18,11 @@ from dataclasses import asdict
 from ..lab.pp_bench import PPBench
 
 STEPS = 8
+PP_HIDDEN, PP_HEADS = PPBench.hidden, PPBench.heads  # --hidden (the FFN 4x it; 768, 3072 by default)
 
 
-def run_pp_demo(stages: int = 2, steps: int = STEPS, out_dir: str = "runs/demo", progress: bool = True) -> dict:
+def run_pp_demo(stages: int = 2, steps: int = STEPS, out_dir: str = "runs/demo", progress: bool = True,
+                hidden: int = PP_HIDDEN) -> dict:
     from tqdm import tqdm
 
     from ..lab.pp_bench import PPBenchRanks
@@ -30,7 +32,7 @@ def run_pp_demo(stages: int = 2, steps: int = STEPS, out_dir: str = "runs/demo",
 
     if stages < 2:
         raise SystemExit(f"demo --pp needs at least 2 stages, got {stages}")
-    cfg = PPBench(pp=stages, layers=2 * stages)
+    cfg = PPBench(pp=stages, layers=2 * stages, hidden=hidden, ffn=4 * hidden)
     bar = tqdm(total=2, desc=f"demo --pp {stages} (calibrate the link, then {steps} steps of each schedule)",
                disable=not progress)
     with RankPool(stages, timeout=1800, threads_per_rank=1) as pool:
