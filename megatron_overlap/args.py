@@ -14,7 +14,7 @@ from . import rules
 from .cp import CP_MODES
 from .errors import OverlapConfigError
 from .hdp import MODES as HDP_MODES
-from .pp import MODES as PP_MODES
+from .pp import BUCKETS as PP_BUCKETS, MODES as PP_MODES
 from .tp import RS_ALGOS, TP_MODES, check_chunks
 
 
@@ -121,11 +121,13 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         "micro-batch index on every rank (scheduler only so far: the runtime refuses PP > 1).")),
     ("--overlap-pp", "pp.mode", dict(
         choices=PP_MODES, default="off",
-        help="Pipeline schedule for --pipeline-model-parallel-size > 1 (non-interleaved). 1f1b: Megatron's order "
+        help="Pipeline schedule for --pipeline-model-parallel-size > 1. 1f1b: Megatron's order "
         "with every stage-to-stage transfer posted early and waited just before use; zb: zero bubble, each "
         "backward split into its input gradient (B) and its weight gradients (W, run where the stage would "
-        "wait; ZB-H1's memory); auto: zb where the weight gradients can be deferred, else 1f1b. off: Megatron's "
-        "1F1B.")),
+        "wait; ZB-H1's memory); with a virtual pipeline both take Megatron's interleaved placement; zbv: ZB-V, "
+        "exactly 2 model chunks per stage in a V (virtual pipelines only); auto: zb where the weight gradients "
+        "can be deferred, else 1f1b (with a virtual pipeline: the cost model's fastest of stock interleaved, zb, "
+        "zbv). off: Megatron's schedule.")),
     ("--overlap-pp-max-inflight", "pp.max_inflight", dict(
         type=_count("pp.max_inflight", 2, "a whole number of micro-batches"), default=None, metavar="K",
         help="Micro-batches forwarded by the first stage before its first backward, K in [PP size, number of "
@@ -136,6 +138,14 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         type=_amount("pp.memory_budget_gb", "GB", rules.MAX_GB), default=None, metavar="GB",
         help="Activation memory per stage in GB; sets --overlap-pp-max-inflight to the most micro-batches that "
         "fit (estimated from the model shape).")),
+    ("--overlap-pp-buckets", "pp.buckets", dict(
+        choices=PP_BUCKETS, default=None,
+        help="Megatron DDP's gradient buckets with a virtual pipeline under --overlap-pp: every-chunk (default) "
+        "keeps DDP's bucket size on every stage and model chunk and sends each bucket as it fills (Megatron "
+        "gives each chunk but stage 0's first one bucket, whose reduction then waits for its last gradient); "
+        "megatron keeps Megatron's buckets. The distributed optimizer's default checkpoint format "
+        "(dp_reshardable) follows the buckets: resume a checkpoint with the layout it was saved with, or save "
+        "with --dist-ckpt-optim-fully-reshardable.")),
     ("--overlap-timeout-s", "comm.timeout_s", dict(
         type=_amount("comm.timeout_s", "seconds", rules.MAX_TIMEOUT_S), default=None, metavar="S",
         help="Bound every wait of the plugin's own communication (TP rings, CP and HDP rings, the HDP exchange, "

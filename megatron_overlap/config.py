@@ -21,7 +21,7 @@ from .context import MEGATRON_PP_FLAGS, ModelContext  # noqa: F401  (re-exported
 from .cp import CP_MODES
 from .errors import OverlapConfigError
 from .hdp import MODES as HDP_MODES
-from .pp import MODES as PP_MODES
+from .pp import BUCKETS as PP_BUCKETS, MODES as PP_MODES
 from .tp import MAX_CHUNKS, RS_ALGOS, TP_MODES, check_chunks, check_sub_batches
 
 
@@ -203,11 +203,22 @@ class PPConfig(_Section):
     memory_budget_gb: Optional[float] = None
     """Activation memory per stage; sets ``max_inflight`` to what fits."""
 
+    buckets: str = "every-chunk"
+    """Megatron DDP's gradient buckets with a virtual pipeline: ``every-chunk`` (its bucket size on
+    every stage and model chunk, each bucket sent as it fills; ``integration/ddp.py``) or
+    ``megatron`` (Megatron's: one bucket per chunk but stage 0's first)."""
+
     explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
 
     def __post_init__(self):
         if self.mode not in PP_MODES:
             raise OverlapConfigError("pp.mode", f"unknown mode {self.mode!r}; choose one of {', '.join(PP_MODES)}")
+        if self.buckets not in PP_BUCKETS:
+            raise OverlapConfigError("pp.buckets", f"unknown layout {self.buckets!r}; choose one of "
+                                     f"{', '.join(PP_BUCKETS)}")
+        if self.mode == "off" and "buckets" in self.explicit:
+            raise OverlapConfigError("pp.buckets", "only applies to `pp.mode` 1f1b, zb, zbv or auto with a virtual "
+                                     "pipeline; add one, or drop it")
         given = [f"pp.{n}" for n in ("max_inflight", "memory_budget_gb") if n in self.explicit]
         if self.mode == "off" and given:
             raise OverlapConfigError(given[0], f"{_refs(given)} only apply to `pp.mode` 1f1b, zb or auto; add one, or "
@@ -238,6 +249,8 @@ class PPConfig(_Section):
             out += [flag_for("pp.max_inflight"), str(self.max_inflight)]
         if self.memory_budget_gb is not None:
             out += [flag_for("pp.memory_budget_gb"), f"{self.memory_budget_gb:g}"]
+        if self.buckets != "every-chunk":
+            out += [flag_for("pp.buckets"), self.buckets]
         return out
 
 
@@ -342,9 +355,10 @@ class OverlapConfig:
                         explicit=frozenset(n for n, dest in (("max_tokens", "hdp_max_tokens_per_rank"),
                                                              ("mode", "hdp_mode")) if get(dest) is not None))
         pp = PPConfig(mode=get("overlap_pp") or "off", max_inflight=get("overlap_pp_max_inflight"),
-                      memory_budget_gb=get("overlap_pp_memory_budget"),
+                      memory_budget_gb=get("overlap_pp_memory_budget"), buckets=get("overlap_pp_buckets") or "every-chunk",
                       explicit=frozenset(n for n, dest in (("max_inflight", "overlap_pp_max_inflight"),
-                                                           ("memory_budget_gb", "overlap_pp_memory_budget"))
+                                                           ("memory_budget_gb", "overlap_pp_memory_budget"),
+                                                           ("buckets", "overlap_pp_buckets"))
                                          if get(dest) is not None))
         return cls(tp=tp, cp=CPConfig(mode=get("overlap_cp") or "off", a2a_size=get("overlap_cp_a2a_size")),
                    hdp=hdp, pp=pp, trace=_trace_from_args(get("overlap_trace"), get("overlap_trace_iters")),

@@ -173,34 +173,71 @@ def vpp_runs_distopt(pp: int, v: int, runs: list, steps: int) -> dict:
 
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
+    import traceback
+
     spec = TinyGPT(num_layers=2 * pp * v, hidden=64, ffn=160, heads=4, kv_heads=2, vocab=256, seq=32, micro_batch=2)
-    out, dispatched, where = {}, [], {}
-    original = _ParamAndGradBucketGroup.start_param_sync
+    out, dispatched, reduced, where = {}, [], [], {}
+    original, original_reduce = _ParamAndGradBucketGroup.start_param_sync, _ParamAndGradBucketGroup.start_grad_sync
 
     def start_param_sync(self, *args, **kwargs):  # which chunk's which bucket group, in dispatch order
         dispatched.append(where.get(id(self)))
         return original(self, *args, **kwargs)
 
+    def start_grad_sync(self, *args, **kwargs):  # which chunk's which bucket group, and whether a DDP hook sent it
+        hook = any(f.name == "register_grad_ready" for f in traceback.extract_stack())
+        reduced.append(where.get(id(self)) + (hook,))
+        return original_reduce(self, *args, **kwargs)
+
     _ParamAndGradBucketGroup.start_param_sync = start_param_sync
+    _ParamAndGradBucketGroup.start_grad_sync = start_grad_sync
     try:
         for mode, m in runs:
+            inst = _install(mode, None, 1)  # before the model is wrapped, as the flags do through pretrain_gpt.py
             trainer = VirtualPipelineTrainer(PipelineGPT(spec=spec, pp=pp, microbatches=m), v, True,
                                              distributed_optimizer=True)
             where.clear()
             where.update({id(g): (c, k) for c, d in enumerate(trainer.ddps) for k, g in enumerate(d.bucket_groups)})
-            inst = _install(mode, None, 1)
             grads, losses = [], []
             for step in range(steps):
                 dispatched.clear()
-                losses.append(trainer.step(step, on_grads=grads.append if step == 0 else None))
+                reduced.clear()
+                losses.append(trainer.step(step, on_grads=(lambda _: grads.append(_reduced_grads(trainer)))
+                                           if step == 0 else None))
                 order = list(dispatched) if step == 0 else order
+            for d in trainer.ddps:  # the last step's updates are gathered by the next step's forward: now
+                d.start_param_sync(force_sync=True)
             out[f"{mode}/{m}"] = {"losses": losses, "grads": grads[0], "params": trainer.state(),
-                                  "calls": dict(inst.calls) if inst is not None else {}, "gathers": order}
+                                  "calls": dict(inst.calls) if inst is not None else {}, "gathers": order,
+                                  "reduces": list(reduced)}  # the last step's
             megatron_overlap.uninstall()
     finally:
         _ParamAndGradBucketGroup.start_param_sync = original
+        _ParamAndGradBucketGroup.start_grad_sync = original_reduce
         megatron_overlap.uninstall()
     return out
+
+
+def _reduced_grads(trainer) -> list:
+    """Every parameter's data-parallel gradient after the reduce-scatter, whichever rank holds
+    its shard: each bucket's shards gathered over the data-parallel group (what the optimizer
+    steps with), so buffers cut into other buckets compare alike."""
+    import torch.distributed as dist
+
+    full = {}
+    for ddp in trainer.ddps:
+        for buf in ddp.buffers:
+            data = buf.grad_data.clone()
+            group = buf.data_parallel_group
+            n = dist.get_world_size(group)
+            for bucket in buf.buckets:
+                shards = bucket.grad_data.view(n, -1)
+                gathered = [torch.empty_like(shards[0]) for _ in range(n)]
+                dist.all_gather(gathered, shards[dist.get_rank(group)].contiguous(), group=group)
+                start = bucket.offset
+                data[start:start + bucket.grad_data.numel()] = torch.cat(gathered)
+            for param, (a, b, _bucket) in buf.param_index_map.items():
+                full[param] = data[a:b].view(param.shape).clone()
+    return [full[p] for p in trainer.params()]
 
 
 def _v_names(trainer) -> list:

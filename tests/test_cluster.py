@@ -126,7 +126,12 @@ def test_virtual_pipelines_on_the_emulated_cluster_reproduce_the_simulator(pool4
         rounds = ranks.rounds(cfg.warmup, cfg.steps)
     finally:
         ranks.close()
-    assert {tuple(d["bucket_chunks"]) for d in ranks.started if d["stage"] == 1} == {(0, 1)}  # one bucket per chunk
+    assert {tuple(d["bucket_chunks"]) for d in ranks.started if d["stage"] == 1} == {(0, 1)}  # stock: one per chunk
+    for d in ranks.started:  # ours: several per chunk on every stage (integration/ddp.py), the same elements
+        for mode in ("zb", "zbv"):  # (the distributed optimizer pads each parameter's start within a bucket)
+            numels, chunks = d["mode_buckets"][mode]
+            assert all(chunks.count(c) > 1 for c in (0, 1)), (d["stage"], mode, chunks)
+            assert d["params"] <= sum(numels) <= 1.02 * d["params"], (d["stage"], mode, sum(numels), d["params"])
     result = summarize(cfg, rounds, ranks.started, floor_time_s=2)  # the bound is all the test reads
     modes = result["modes"]
     for mode, r in modes.items():
@@ -152,6 +157,8 @@ def test_emulated_cluster_refuses_virtual_pipelines_it_cannot_run():
     refused(r"--schedules 1f1b-inflight with --vpp 2: virtual pipelines run stock, 1f1b, zb, zbv", vpp=2,
             modes=("stock", "1f1b-inflight"))
     refused(r"--vpp 0: model chunks per stage must be >= 1", vpp=0)
+    refused(r"--bucket-factor 0.0: the DDP bucket size's factor must be a positive number", bucket_factor=0.0)
+    refused(r"--bucket-factor nan: the DDP bucket size's factor must be a positive number", bucket_factor=float("nan"))
     check(ClusterConfig(vpp=2, modes=("stock", "zb", "zbv")), cores=2, memory_gb=24)  # the benchmark's: fine
 
 
@@ -176,6 +183,36 @@ def test_the_simulator_gathers_a_chunks_parameters_in_the_order_dispatched():
         assert label == "F0" and abs(start - span[0]) < 1e-9 and abs(end - span[1]) < 1e-9, (aligned, sim.timeline[0])
         ag = [(a, b) for op, a, b in sim.dp_spans[0] if op == "AG"]
         assert ag == port + [(9.0, 14.0)], (aligned, ag)  # then chunk 1's
+
+
+def test_the_simulator_sends_each_bucket_as_its_chunks_last_gradient_fills_it():
+    """``DPSync.fill`` (ours: DDP's hooks send each bucket once its gradients are in): a chunk's
+    buckets leave during its last W, bucket k after its share of it (bucket 0, the last layers,
+    first), one after the other on the port; the stage's reductions end earlier than when all
+    leave at the W's end, by as much of the W as the first buckets' share."""
+    from megatron_overlap.pp import build
+    from megatron_overlap.pp.simulate import DPSync, StageTimes, simulate
+
+    times = [StageTimes(10.0, 10.0, 8.0)] * 2  # a chunk's W: 4 ms
+    sync = DPSync(reduce_ms=(1.0, 3.0, 2.0, 2.0), reduce_chunks=(0, 0, 1, 1))
+    schedule = build("zb", 2, 4, chunks=2)
+    filled, whole = (simulate(schedule, times, dp=[sync.replace(fill=f)] * 2) for f in (True, False))
+    for s in range(2):
+        spans = filled.timeline[s]
+        chunk = [int(x[0].split("@")[1]) if "@" in x[0] else 0 for x in spans]
+        last_w = {c: max((x for x, k in zip(spans, chunk) if x[0].startswith("W") and k == c), key=lambda x: x[1])
+                  for c in (0, 1)}
+        port, want = 0.0, []
+        for c, shares in sorted(((c, ((0.25, 1.0), (1.0, 3.0)) if c == 0 else ((0.5, 2.0), (1.0, 2.0)))
+                                 for c in (0, 1)), key=lambda cs: last_w[cs[0]][1]):
+            _label, a, b = last_w[c]
+            for share, ms in shares:
+                start = max(a + (b - a) * share, port)
+                port = start + ms
+                want.append(start)
+        got = [a for op, a, _b in filled.dp_spans[s] if op == "RS"]
+        assert got == want, (s, got, want)
+    assert filled.step_ms < whole.step_ms, (filled.step_ms, whole.step_ms)
 
 
 def test_the_simulator_dispatches_each_chunks_buckets_after_its_last_gradient():

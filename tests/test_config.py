@@ -45,6 +45,7 @@ def test_flag_set_is_pinned():
         "--overlap-pp",
         "--overlap-pp-max-inflight",
         "--overlap-pp-memory-budget",
+        "--overlap-pp-buckets",  # issue 23: DDP buckets on every stage and chunk of a virtual pipeline
         "--overlap-timeout-s",  # issue 25: bounds the plugin's own waits (README "Failures that say where")
     }
 
@@ -215,6 +216,8 @@ def parser_error(capsys, *flags) -> str:
         (["--overlap-pp-max-inflight", "4"], dict(tp=1, pp=2), "--overlap-pp-max-inflight", "only apply to --overlap-pp"),
         (["--overlap-pp", "zb", "--overlap-pp-max-inflight", "4", "--overlap-pp-memory-budget", "8"], dict(tp=1, pp=2),
          "--overlap-pp-memory-budget", "pass one of them"),
+        (["--overlap-pp-buckets", "megatron"], dict(tp=1, pp=2), "--overlap-pp-buckets",
+         "only applies to --overlap-pp 1f1b, zb, zbv or auto with a virtual pipeline"),
     ],
     ids=[
         "overlap-without-sp",
@@ -263,6 +266,7 @@ def parser_error(capsys, *flags) -> str:
         "pp-inflight-below-stages",
         "pp-inflight-without-pp",
         "pp-budget-and-inflight",
+        "pp-buckets-without-pp",
     ],
 )
 def test_invalid_configurations_name_the_flag(flags, kwargs, flag, words):

@@ -43,18 +43,24 @@ def test_distributed_optimizer_with_overlapped_gathers_keeps_the_numerics(pool4)
     """PP=2 x VPP=2 x DP=2, Megatron's distributed optimizer (Adam, clipping) with
     overlap_grad_reduce and overlap_param_gather, align_param_gather (each chunk's gather launched
     by the schedule): losses, every gradient buffer after one step and every parameter after the
-    last bit-identical to Megatron's interleaved 1F1B. The gathers: stock dispatches a chunk's
-    bucket groups in their order (bucket 0 holds the chunk's last layers, so its first forward
-    waits for all of them); ours the same groups last first, the order the forward needs them."""
+    last bit-identical to Megatron's interleaved 1F1B. The buckets: stock's on stage 0's first
+    chunk only (one per chunk elsewhere), ours on every stage and chunk (``ddp.py``), each sent
+    by DDP's hook as it fills (a step after the first), once. The gathers: stock dispatches a
+    chunk's bucket groups in their order (bucket 0 holds the chunk's last layers, so its first
+    forward waits for all of them); ours last first, the order the forward needs them."""
     runs = [(mode, 4) for mode in ("off", "1f1b", "zb")]
     for rank, per_run in enumerate(pool4.run(pp_rank_fns.vpp_runs_distopt, 2, 2, runs, 3)):
         stock = per_run["off/4"]
         chunk0 = [k for c, k in stock["gathers"] if c == 0]
         assert chunk0 == sorted(chunk0) and (len(chunk0) > 1) == (rank < 2), (rank, stock["gathers"])  # bucketed on stage 0
+        assert [k for c, k in stock["gathers"] if c == 1] == [0], (rank, stock["gathers"])
         for mode in ("1f1b", "zb"):
             ours = per_run[f"{mode}/4"]
-            assert ours["gathers"] == [(c, k) for c in (0, 1) for k in sorted(
-                (k for cc, k in stock["gathers"] if cc == c), reverse=True)], (rank, mode, ours["gathers"])
+            groups = {c: sorted(k for cc, k in ours["gathers"] if cc == c) for c in (0, 1)}
+            assert all(len(g) > 1 and g == list(range(len(g))) for g in groups.values()), (rank, mode, groups)
+            assert ours["gathers"] == [(c, k) for c in (0, 1) for k in reversed(groups[c])], (rank, mode, ours["gathers"])
+            assert sorted(ours["reduces"]) == [(c, k, True) for c in (0, 1) for k in groups[c]], (rank, mode, ours)
+            assert ours["calls"].get("pp.buckets_everywhere") == 2 and ours["calls"].get("pp.buckets_streamed"), ours
             for a, b in zip(ours["losses"], stock["losses"]):
                 assert abs(a - b) <= TOL * abs(b), (rank, mode, ours["losses"], stock["losses"])
             for name in ("grads", "params"):

@@ -92,6 +92,8 @@ def check(cfg: ClusterConfig, ranks: int = 0, cores: int = 0, memory_gb: float =
                          "least one micro-batch per stage")
     if ranks and ranks != cfg.world:
         raise BenchError(f"--ranks {ranks} is not --pp {cfg.pp} x --dp {cfg.dp} = {cfg.world}; give two of them")
+    if not cfg.bucket_factor > 0 or cfg.bucket_factor == float("inf"):
+        raise BenchError(f"--bucket-factor {cfg.bucket_factor}: the DDP bucket size's factor must be a positive number")
     if cfg.durations:
         from ..lab.durations import DurationsError, read
 
@@ -163,7 +165,7 @@ def predict(cfg: ClusterConfig, described: list) -> dict:
     from ..pp.simulate import LinkCost, simulate
 
     costs, _run, hw = modelled(cfg)
-    syncs = stage_syncs(cfg, costs, described, hw)
+    per_mode = {mode: stage_syncs(cfg, costs, described, hw, mode) for mode in cfg.modes}
     link, free = LinkCost(transfer_ms=costs.transfer_ms), LinkCost()
     times = placement(cfg, costs)  # the schedule the executor runs
     out = {}
@@ -172,18 +174,19 @@ def predict(cfg: ClusterConfig, described: list) -> dict:
         k = min(cfg.microbatches, 2 * cfg.pp - 1) if mode == "1f1b-inflight" else 0
         schedule = build(kind, cfg.pp, cfg.microbatches, k, times=times if kind in ("zb", "zbv") else (1.0, 1.0, 1.0),
                          chunks=cfg.vpp)
-        dp = schedule_syncs(syncs, kind, cfg.vpp)
+        dp = schedule_syncs(per_mode[mode], kind, cfg.vpp)
         on = simulate(schedule, costs.times, link, dp)
         no_dp = simulate(schedule, costs.times, link)
         alone = simulate(schedule, costs.times, free)
         out[mode] = {"step_ms": on.step_ms, "dp_exposed_ms": on.step_ms - no_dp.step_ms,
                      "p2p_exposed_ms": no_dp.step_ms - alone.step_ms, "bubble": on.bubble, "simulation": on,
                      "memory": max(schedule.memory_bound)}
-    return {"modes": out, "costs": costs, "syncs": syncs}
+    finest = [max((per_mode[mode][s] for mode in cfg.modes), key=lambda d: len(d.reduce_ms)) for s in range(cfg.pp)]
+    return {"modes": out, "costs": costs, "syncs": finest}  # the floor's: a finer cut only relaxes it
 
 
-def stage_syncs(cfg: ClusterConfig, costs, described: list, hw) -> list:
-    """Each stage's ``DPSync`` from the buckets its ranks built (modelled elements: / scale)."""
+def stage_syncs(cfg: ClusterConfig, costs, described: list, hw, mode: str = "") -> list:
+    """Each stage's ``DPSync`` from the buckets its ranks built for ``mode`` (modelled elements: / scale)."""
     from ..pp.simulate import DPSync
     from ..tune.virtual import bucket_sync
 
@@ -191,9 +194,9 @@ def stage_syncs(cfg: ClusterConfig, costs, described: list, hw) -> list:
         return [DPSync() for _ in range(cfg.pp)]
     link = hw.link_for(cfg.tp * cfg.dp)
     by_stage = {d["stage"]: d for d in described}
-    return [bucket_sync([n / by_stage[s]["scale"] for n in by_stage[s]["buckets"]],
-                        by_stage[s].get("bucket_chunks") or [], cfg.dp, link, hw.dtype_bytes,
-                        cfg.distributed_optimizer, cfg.distributed_optimizer) for s in range(cfg.pp)]
+    built = {s: d.get("mode_buckets", {}).get(mode) or (d["buckets"], d.get("bucket_chunks")) for s, d in by_stage.items()}
+    return [bucket_sync([n / by_stage[s]["scale"] for n in built[s][0]], built[s][1] or [], cfg.dp, link,
+                        hw.dtype_bytes, cfg.distributed_optimizer, cfg.distributed_optimizer) for s in range(cfg.pp)]
 
 
 def summarize(cfg: ClusterConfig, rounds: list, described: list, floor_time_s: float = 120.0) -> dict:
@@ -203,6 +206,8 @@ def summarize(cfg: ClusterConfig, rounds: list, described: list, floor_time_s: f
     result = {"config": asdict(cfg), "scale": first["scale"], "rows": first["rows"], "link": first["link"],
               "buckets_per_stage": [len(next(d for d in described if d["stage"] == s)["buckets"])
                                     for s in range(cfg.pp)],
+              "buckets_by_mode": {mode: [len(next(d for d in described if d["stage"] == s).get(
+                  "mode_buckets", {}).get(mode, ([None],))[0]) for s in range(cfg.pp)] for mode in cfg.modes},
               "times_ms": [asdict(t) for t in costs.times], "transfer_ms": costs.transfer_ms,
               "dp_reduce_ms": [d.reduce_total_ms for d in pred["syncs"]],
               "dp_gather_ms": [d.gather_total_ms for d in pred["syncs"]], "modes": {}}
@@ -293,11 +298,14 @@ def add_emulate_args(parser) -> None:
     g.add_argument("--vpp", type=int, default=None,
                    help="model chunks per stage (virtual pipelines): stock is then Megatron's interleaved 1F1B "
                    f"(default 1; schedules {', '.join(VIRTUAL_MODES)}, zbv needs 2)")
+    g.add_argument("--bucket-factor", type=float, default=None,
+                   help="DDP's bucket size as Megatron's default for the modelled run times this, for every schedule "
+                   "(default 1; larger: fewer, larger buckets)")
     g.add_argument("--floor-time-limit", type=float, default=120.0, help="CP-SAT seconds for the floor")
 
 
 EMULATE_ONLY = ("dp", "ranks", "model", "hardware", "tp", "scale", "node_size", "schedules", "tp_strategy",
-                "durations", "vpp")
+                "durations", "vpp", "bucket_factor")
 REAL_ONLY = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "comm_ratio", "latency_us")
 
 
@@ -313,7 +321,7 @@ def emulate_main(args) -> int:
                        ("dp", "dp"), ("model", "model"), ("hardware", "hardware"), ("tp", "tp"),
                        ("scale", "scale"), ("node_size", "node_size"), ("seq", "seq"),
                        ("micro_batch", "micro_batch"), ("tp_strategy", "tp_strategy"), ("durations", "durations"),
-                       ("vpp", "vpp")):
+                       ("vpp", "vpp"), ("bucket_factor", "bucket_factor")):
         v = getattr(args, attr, None)
         if v is not None:
             values[name] = v

@@ -33,7 +33,11 @@ def format_table(result: dict) -> str:
            link.get("node_size") else ""),
         f"P2P {result['transfer_ms']:.2f} ms per activation; DP per step: gradients reduce-scattered "
         f"{max(result['dp_reduce_ms']):.1f} ms, parameters all-gathered {max(result['dp_gather_ms']):.1f} ms "
-        f"(largest stage; Megatron DDP buckets per stage: {result['buckets_per_stage']})",
+        f"(largest stage; Megatron DDP buckets per stage: {result['buckets_per_stage']}"
+        + (f" at {result['config'].get('bucket_factor')}x Megatron's default bucket size"
+           if result["config"].get("bucket_factor", 1.0) != 1.0 else "")
+        + "".join(f", {m}: {n}" for m, n in result.get("buckets_by_mode", {}).items()
+                  if n != result["buckets_per_stage"]) + ")",
         "",
         f"{'':32}{'step ms':>9}{'vs stock':>9}{'bubble':>8}{'exp. P2P':>10}{'exp. DP':>9}{'act GB':>8}"
         f"{'CPU ms':>8}{'CPU':>6}{'predicted':>11}{'error':>7}{'x floor':>8}",

@@ -3,8 +3,9 @@ before a rank starts, the per-chunk data-parallel sync the simulator predicts wi
 floor at 1.05x stock interleaved's activation memory.
 
 Megatron-LM builds one DDP per model chunk; its interleaved schedule dispatches a chunk's
-gradient buckets ``pipeline rank`` backwards after the chunk's last one (``sync_delay``), ours
-when the chunk's last gradient is in; both gather chunks 0 and 1's parameters at the step's
+gradient buckets ``pipeline rank`` backwards after the chunk's last one (``sync_delay``); ours
+keeps buckets on every stage and chunk (``integration/ddp.py``, the run's own buckets per
+schedule) and sends each as it fills over the chunk's last gradient action (``fill``); both gather chunks 0 and 1's parameters at the step's
 start (``align_param_gather``), stock in bucket order (last layers first, ``gather_aligned``),
 ours in the order the forward needs them. The simulator takes that from ``DPSync.reduce_chunks``.
 
@@ -12,7 +13,8 @@ The floor (``pp/optimal.py``) prices a stage's data-parallel sync as one block a
 stage's last gradient. With one DDP per chunk only the chunk that finishes last is certain to
 reduce after it, so the floor runs with a relaxation that stays a lower bound: per stage the
 buckets of its cheapest chunk after the last gradient, and chunk 0's parameter gather (the
-first forward's) at the start. The floor is the smaller over the interleaved and (v = 2) the V
+first forward's) at the start, from the finest cut any schedule's DDP made (ours: buckets on
+every chunk), since a finer cut only relaxes it. The floor is the smaller over the interleaved and (v = 2) the V
 placement, at the memory the issue allows: 1.05x stock interleaved's peak per stage.
 """
 
@@ -48,7 +50,7 @@ def schedule_syncs(syncs, kind: str, v: int) -> list:
     if v == 1:
         return syncs if kind == "megatron" else [d.replace(gather_at_start=True) for d in syncs]
     stock = kind == "megatron"
-    return [d.replace(gather_at_start=True, sync_delay=s if stock else 0, gather_aligned=stock)
+    return [d.replace(gather_at_start=True, sync_delay=s if stock else 0, gather_aligned=stock, fill=not stock)
             for s, d in enumerate(syncs)]
 
 

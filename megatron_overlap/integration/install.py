@@ -12,6 +12,7 @@
 | ``get_batch_on_this_tp_rank`` (core_v0.16 ``megatron.training.utils``, 0.19 ``megatron.core.utils``, and every module that bound it by name, the script's ``__main__`` included; ``--hdp``) | ``hdp_loop.py`` (during an HDP step each TP rank reads its own copy of the planned micro-batch instead of a fixed-shape broadcast) | Megatron-LM's get_batch broadcasts variable shapes |
 | ``transformer.mlp.MLP.forward``, ``transformer.attention.Attention.forward``, ``DotProductAttention.forward`` (``--overlap-tp-sub-batches`` > 1) | ``sub_batches.py`` (the blocks cut into row parts) | Megatron's layers take a sub-batch schedule |
 | ``pipeline_parallel.get_forward_backward_func`` (also in ``pipeline_parallel.schedules`` and ``megatron.training.training``, which bind it by name) | ``schedules.py`` (``--overlap-pp`` -> ``pp``) | Megatron takes a pluggable pipeline schedule |
+| ``distributed.DistributedDataParallel.__init__``, ``distributed.param_and_grad_buffer._ParamAndGradBuffer.__init__`` (``--overlap-pp`` 1f1b / zb / zbv with virtual pipelines) | ``ddp.py`` (DDP buckets on every stage and model chunk) | Megatron's DDP buckets every stage and chunk of an interleaved pipeline |
 
 The linears' function is also patched, without TP overlap, under ``--overlap-pp zb`` at TP = 1 (weight
 gradients deferred to W). ``ColumnParallelLinear._forward_impl`` looks the module-level function up at call time, so
@@ -91,6 +92,7 @@ class Installation:
         self.ring_options = ring_options or RingOptions()
         self.tp = None  # tp.plan.TPPlanner while TP overlap runs
         self.tp_overlap = False  # whether the linears run TP overlap
+        self.keep_single_bucket = False  # Megatron-LM's --overlap-param-gather-with-optimizer-step (ddp.py)
         self.pp_observer = None  # (stage, action, start, end) after each pipeline action (benchmarks)
         # (F, B, W) zb places its weight gradients for (None: all equal); from the cost model at
         # install when it knows the model and GPU (``pp.build.placement_times``)
@@ -259,6 +261,13 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
         notice(f"`pp.mode` zb: weight gradients placed for F/B/W = {'/'.join(f'{x:g}' for x in inst.pp_times)} "
                f"(the cost model's best placement on {predicted['hardware']})")
     inst.tp_overlap = config.tp.enabled and tp_on
+    inst.keep_single_bucket = bool(getattr(args_or_config, "overlap_param_gather_with_optimizer_step", False))
+    if full_args and pp_on:
+        from .ddp import checkpoint_notice
+
+        said = checkpoint_notice(config.pp, args_or_config)
+        if said:
+            notice(said)
     _apply(inst, cp_on, pp_on)
     return inst
 
@@ -286,7 +295,7 @@ def _drop_unrunnable_zbv(predicted, args) -> None:
 
 def _apply(inst: Installation, cp_on: bool, pp_on: bool) -> None:
     """Patch Megatron for the resolved config; on any failure, nothing stays half-installed."""
-    from . import attention, hdp_loop, linears, norms, schedules, training
+    from . import attention, ddp, hdp_loop, linears, norms, schedules, training
 
     config = inst.config
     try:
@@ -294,6 +303,8 @@ def _apply(inst: Installation, cp_on: bool, pp_on: bool) -> None:
             linears.patch(inst)
         if pp_on:
             schedules.patch(inst)
+            if config.pp.mode in ("1f1b", "zb", "zbv") and config.pp.buckets == "every-chunk":
+                ddp.patch_buckets(inst, inst.keep_single_bucket)
         attention.patch(inst, forward=cp_on)
         norms.patch(inst)
         if config.hdp.enabled:

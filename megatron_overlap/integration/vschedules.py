@@ -4,12 +4,21 @@ the ``pp.build`` schedule of ``--overlap-pp`` 1f1b or zb over Megatron's list of
 in Megatron's interleaved placement, with Megatron's own ``forward_step`` (``vp_stage``-aware)
 and ``backward_step``. Around them it does what Megatron's interleaved schedule does:
 
-- ``no_sync_func`` (one per chunk: all entered together), ``grad_sync_func`` /
-  ``param_sync_func`` made one per chunk; without ``grad_sync_func`` the sync is enabled before
-  each chunk's last backward (as stock); with it, each chunk's gradient sync is launched once
-  its last gradient is in (after its last B, or in a split schedule its last W) and the rest at
-  the end; the first two chunks' parameter gathers at the start, chunk c's before its first
-  forward (stock launches them a few virtual micro-batches earlier: timing only). Where that
+- ``no_sync_func`` (one per chunk), ``grad_sync_func`` / ``param_sync_func`` made one per
+  chunk; without ``grad_sync_func`` the sync is enabled before each chunk's last backward (as
+  stock); with it, each chunk's gradient sync is launched once its last gradient is in (after
+  its last B, or in a split schedule its last W) and the rest at the end. Where that function is
+  Megatron DDP's ``start_grad_sync`` with ``overlap_grad_reduce`` and the chunk has several bucket
+  groups (``ddp.py`` keeps buckets on every stage and chunk), the chunk's buckets leave as they
+  fill instead (``_streaming_groups``): its own ``no_sync`` is left before its last backward, so
+  DDP's hooks dispatch each bucket once its gradients are in (in a split schedule after the W
+  GEMMs that complete them, ``ddp.py``), and whatever is not dispatched by the chunk's last
+  gradient is launched then, as stock launches it. Parameter gathers: chunk 0's at the start,
+  chunk 1's before the stage's first wait for a transfer or right after its first forward was
+  issued, whichever comes first (stock launches both at the start: the port serves chunk 0's
+  first either way, and the first stage's host issues its first forward without launching
+  chunk 1's collectives before it), chunk c's before its first forward (stock
+  launches them a few virtual micro-batches earlier: timing only). Where that
   function is Megatron DDP's ``start_param_sync`` (``align_param_gather``), a chunk's bucket
   all-gathers are dispatched in the order its forward needs them (``_gather_params``);
 - the embedding's activation buffer and weight gradient, ``finalize_model_grads_func`` over
@@ -77,9 +86,7 @@ def _gather_params(func, chunk) -> None:
     stock calls it."""
     ddp = getattr(func, "__self__", None)
     cfg = getattr(ddp, "ddp_config", None)
-    groups = getattr(ddp, "all_bucket_groups", None)  # megatron-core >= 0.17 keeps one list
-    if groups is None:
-        groups = list(getattr(ddp, "bucket_groups", ())) + list(getattr(ddp, "expert_parallel_bucket_groups", ()))
+    groups = _bucket_groups(ddp)
     plain = (getattr(func, "__name__", "") != "start_param_sync" or cfg is None or not groups
              or not getattr(cfg, "overlap_param_gather", False) or getattr(cfg, "with_megatron_fsdp_code_path", False)
              or getattr(ddp, "overlap_param_gather_with_optimizer_step", False)
@@ -89,6 +96,27 @@ def _gather_params(func, chunk) -> None:
         return
     for group in reversed(groups):
         group.start_param_sync()
+
+
+def _bucket_groups(ddp) -> list:
+    groups = getattr(ddp, "all_bucket_groups", None)  # megatron-core >= 0.17 keeps one list
+    if groups is None:
+        groups = list(getattr(ddp, "bucket_groups", ())) + list(getattr(ddp, "expert_parallel_bucket_groups", ()))
+    return list(groups)
+
+
+def _streaming_groups(func, per_chunk_no_sync: bool):
+    """The bucket groups of the chunk whose ``grad_sync_func`` is ``func`` when its buckets can
+    leave as they fill (module docstring), else None: ``func`` is Megatron DDP's
+    ``start_grad_sync`` under ``overlap_grad_reduce``, the chunk has several bucket groups and
+    its own ``no_sync``."""
+    ddp = getattr(func, "__self__", None)
+    cfg = getattr(ddp, "ddp_config", None)
+    if (not per_chunk_no_sync or getattr(func, "__name__", "") != "start_grad_sync" or cfg is None
+            or not getattr(cfg, "overlap_grad_reduce", False) or getattr(cfg, "with_megatron_fsdp_code_path", False)):
+        return None
+    groups = _bucket_groups(ddp)
+    return groups if len(groups) > 1 else None
 
 
 class _VRun(_Run):
@@ -146,8 +174,7 @@ class _VRun(_Run):
         sync = _ChunkSync(config)
         sync.disable()
         if config.param_sync_func is not None:
-            for c in range(min(2, self.v)):
-                _gather_params(config.param_sync_func[c], self.models[c])
+            _gather_params(config.param_sync_func[0], self.models[0])
         self._steps(sync)
         if saved is not None:
             config.grad_sync_func, config.param_sync_func = saved
@@ -171,12 +198,26 @@ class _VRun(_Run):
         for i, a in enumerate(acts):
             if a.op == (W if self.schedule.split else B) and a.mb == m - 1:
                 last_grad[a.chunk] = i
-        gathered = set(range(min(2, self.v)))
+        streams = {}  # chunk -> its bucket groups, where they leave as they fill
+        if config.grad_sync_func is not None and not self.forward_only:
+            for c in range(self.v):
+                groups = _streaming_groups(config.grad_sync_func[c], sync.per_chunk)
+                if groups is not None:
+                    streams[c] = groups
+        if streams:
+            self.inst.calls["pp.buckets_streamed"] += 1
+        gathered = {0}
         observe = self.inst.pp_observer
         for i, action in enumerate(acts):
             if action.op == B and action.mb == m - 1 and config.grad_sync_func is None:
                 sync.enable()  # stock: before the chunk's last backward, and left on
                 sync.synced.add(action.chunk)
+            elif action.op == B and action.mb == m - 1 and action.chunk in streams:
+                sync.release(action.chunk)  # its hooks dispatch each bucket as it fills
+            if (action.op == WAIT or action.op == F and action.chunk) and 1 not in gathered and self.v > 1 \
+                    and config.param_sync_func is not None:  # chunk 1's: while this stage waits, or before it needs them
+                _gather_params(config.param_sync_func[1], self.models[1])
+                gathered.add(1)
             if action.op == F and action.chunk not in gathered and config.param_sync_func is not None:
                 _gather_params(config.param_sync_func[action.chunk], self.models[action.chunk])
                 gathered.add(action.chunk)
@@ -184,7 +225,15 @@ class _VRun(_Run):
             self._run(action)
             if observe is not None:
                 observe(self.stage, action, t0, time.perf_counter())
-            if config.grad_sync_func is not None and last_grad.get(action.chunk) == i and not self.forward_only:
+            if action.op == F and 1 not in gathered and self.v > 1 and config.param_sync_func is not None:
+                _gather_params(config.param_sync_func[1], self.models[1])  # after the step's first forward was issued
+                gathered.add(1)
+            if action.chunk in streams and last_grad.get(action.chunk) == i:
+                for group in streams[action.chunk]:  # not dispatched by its hooks (the first step): now, as stock
+                    if group.grad_reduce_handle is None:
+                        group.start_grad_sync()
+                sync.synced.add(action.chunk)
+            elif config.grad_sync_func is not None and last_grad.get(action.chunk) == i and not self.forward_only:
                 sync.enable()
                 config.grad_sync_func[action.chunk](self.models[action.chunk].parameters())
                 sync.synced.add(action.chunk)
@@ -292,31 +341,32 @@ class _VRun(_Run):
 
 
 class _ChunkSync:
-    """Megatron's ``no_sync`` of every chunk, entered and left together."""
+    """Megatron's ``no_sync`` of every chunk, entered together; with one function per chunk
+    (``per_chunk``) a chunk can be left on its own (``release``) and stays out."""
 
     def __init__(self, config):
         funcs = config.no_sync_func
-        if isinstance(funcs, list):
-            def func():
-                stack = contextlib.ExitStack()
-                for f in funcs:
-                    stack.enter_context(f())
-                return stack
-            self.func = func
-        else:
-            self.func = funcs or contextlib.nullcontext
-        self.context = None
+        self.per_chunk = isinstance(funcs, list)
+        self.funcs = list(funcs) if self.per_chunk else [funcs or contextlib.nullcontext]
+        self.contexts = {}  # index in funcs -> the entered context
+        self.released = set()
         self.synced = set()
 
     def disable(self):
-        if self.context is None:
-            self.context = self.func()
-            self.context.__enter__()
+        for k, func in enumerate(self.funcs):
+            if k not in self.contexts and k not in self.released:
+                self.contexts[k] = func()
+                self.contexts[k].__enter__()
 
     def enable(self):
-        if self.context is not None:
-            self.context.__exit__(None, None, None)
-            self.context = None
+        for k in list(self.contexts):
+            self.contexts.pop(k).__exit__(None, None, None)
+
+    def release(self, chunk: int):
+        self.released.add(chunk)
+        context = self.contexts.pop(chunk, None)
+        if context is not None:
+            context.__exit__(None, None, None)
 
 
 @functools.lru_cache(maxsize=64)

@@ -66,6 +66,7 @@ class ClusterConfig:
     modes: tuple = MODES
     seed: int = 0
     vpp: int = 1  # model chunks per stage (lab/cluster_chunks.py): stock is then Megatron's interleaved 1F1B
+    bucket_factor: float = 1.0  # DDP's bucket size: Megatron's default for the modelled run times this, every schedule
 
     @property
     def world(self) -> int:
@@ -160,7 +161,7 @@ class _Replica:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=cfg.distributed_optimizer,
             overlap_param_gather=cfg.distributed_optimizer,
-            bucket_size=max(1, int(default_bucket_size(cfg.dp) * scale)))
+            bucket_size=max(1, int(default_bucket_size(cfg.dp) * cfg.bucket_factor * scale)))
         self.ddp = DistributedDataParallel(config, ddp_config, module)
         opt = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, bf16=True, params_dtype=torch.bfloat16,
                               use_distributed_optimizer=cfg.distributed_optimizer, clip_grad=1.0)
@@ -279,6 +280,7 @@ class ClusterRanks:
         rep = next(iter(self.replicas.values()))
         return {"stage": self.stage, "dp_rank": self.dp_rank, "scale": self.scale, "rows": self.shape.rows,
                 "buckets": rep.bucket_numels(), "bucket_chunks": rep.bucket_chunks(), "link": self.spec.as_dict(),
+                "mode_buckets": {k: (r.bucket_numels(), r.bucket_chunks()) for k, r in self.replicas.items()},
                 "params": sum(p.numel() for p in rep.parameters()),
                 "act_bytes": self.shape.act_elements * 2}
 

@@ -1,7 +1,9 @@
 """Virtual pipelines on the emulated cluster (``lab/cluster.py`` with ``vpp`` > 1): each rank
 holds ``v`` model chunks of its stage, as Megatron-LM's ``get_model`` builds them with
-``--num-layers-per-virtual-pipeline-stage``: one Megatron DDP per chunk (bucketing on the
-first chunk only), one optimizer over the list, ``no_sync_func`` / ``grad_sync_func`` /
+``--num-layers-per-virtual-pipeline-stage``: one Megatron DDP per chunk (stock: bucketing on
+stage 0's first chunk only; ours, built under the install as the flags do, on every stage and
+chunk, ``integration/ddp.py``; the bucket size Megatron's default for the modelled run times
+``bucket_factor``, the same for every schedule), one optimizer over the list, ``no_sync_func`` / ``grad_sync_func`` /
 ``param_sync_func`` one per chunk (Megatron-LM's ``align_grad_reduce`` and, with the
 distributed optimizer, ``align_param_gather``: its defaults), Megatron-LM's P2P settings
 there (``overlap_p2p_comm`` on, ``batch_p2p_comm`` off).
@@ -35,6 +37,21 @@ def virtual_index(mode: str, stage: int, chunk: int, p: int, v: int) -> int:
     return chunk * p + stage
 
 
+@contextlib.contextmanager
+def _installed(mode: str):
+    """``--overlap-pp mode`` installed for the block (nothing for stock)."""
+    import megatron_overlap
+    from ..config import OverlapConfig, PPConfig
+
+    megatron_overlap.uninstall()
+    if mode != "stock":
+        megatron_overlap.install(OverlapConfig(pp=PPConfig(mode=mode)))
+    try:
+        yield
+    finally:
+        megatron_overlap.uninstall()
+
+
 def chunk_blocks(blocks, v: int) -> list:
     """One chunk's share of a stage's blocks (module docstring)."""
     return [replace(b, f_ms=b.f_ms / v, b_ms=b.b_ms / v, w_ms=b.w_ms / v,
@@ -64,9 +81,10 @@ class ChunkReplica:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=cfg.distributed_optimizer,
             overlap_param_gather=cfg.distributed_optimizer, align_param_gather=cfg.distributed_optimizer,
-            bucket_size=max(1, int(default_bucket_size(cfg.dp) * scale)))
-        self.ddps = [DistributedDataParallel(config, ddp_config, m, disable_bucketing=c > 0)
-                     for c, m in enumerate(self.modules)]
+            bucket_size=max(1, int(default_bucket_size(cfg.dp) * cfg.bucket_factor * scale)))
+        with _installed(mode):  # as the flags are before get_model wraps the chunks: ours keeps buckets everywhere
+            self.ddps = [DistributedDataParallel(config, ddp_config, m, disable_bucketing=c > 0)
+                         for c, m in enumerate(self.modules)]
         opt = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, bf16=True, params_dtype=torch.bfloat16,
                               use_distributed_optimizer=cfg.distributed_optimizer, clip_grad=1.0)
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), CPUDevices():

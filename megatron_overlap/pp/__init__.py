@@ -5,7 +5,8 @@ with Megatron's ``forward_step`` / ``backward_step`` is ``integration/schedules.
 from .build import KINDS, build, check_inflight
 
 MODES = ("off", "1f1b", "zb", "zbv", "auto")  # --overlap-pp (zbv: virtual pipelines of 2 chunks)
+BUCKETS = ("every-chunk", "megatron")  # --overlap-pp-buckets (integration/ddp.py)
 from .schedule import Action, Comm, Schedule
 from .validate import ScheduleError, validate
 
-__all__ = ["KINDS", "MODES", "Action", "Comm", "Schedule", "ScheduleError", "build", "check_inflight", "validate"]
+__all__ = ["BUCKETS", "KINDS", "MODES", "Action", "Comm", "Schedule", "ScheduleError", "build", "check_inflight", "validate"]

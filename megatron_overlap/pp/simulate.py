@@ -28,7 +28,8 @@ Assumptions (the cost model's, and the emulated link's on CPU):
 
   * virtual pipelines with one DDP per model chunk (``DPSync.reduce_chunks``, Megatron-LM's
     ``get_model`` with ``--virtual-pipeline-model-parallel-size``): each chunk's buckets are
-    dispatched together when its last gradient is in, or ``sync_delay`` backwards later, and each
+    dispatched together when its last gradient is in, or ``sync_delay`` backwards later (stock),
+    or one by one as they fill over that last gradient action (``DPSync.fill``: ours), and each
     chunk's first forward waits for its own parameter buckets (``_ChunkDP``).
 
   The step ends when every stage has finished its actions and its reductions (the optimizer
@@ -83,6 +84,8 @@ class DPSync:
     gather_chunks: Tuple[int, ...] = ()
     sync_delay: int = 0
     gather_aligned: bool = False
+    # ``fill``: a chunk's buckets leave as they fill over its last gradient action (DDP's hooks, ours)
+    fill: bool = False
 
     def __post_init__(self):
         if any(x < 0 for x in self.reduce_ms + self.gather_ms) or self.latency_ms < 0:
@@ -315,7 +318,8 @@ class _ChunkDP(_DPState):
     ``align_param_gather``, its defaults), a chunk's gradient buckets are all dispatched when its
     last gradient is in (the end of its last B, or of its last W in a split schedule), or
     ``sync_delay`` backwards later; those of a chunk that never reaches that point at the stage's
-    last compute. Parameter buckets: chunks 0 and 1 all dispatched at the step's start
+    last compute; with ``fill`` (ours: every chunk bucketed, DDP's hooks sending each bucket once
+    its gradients are in) bucket k leaves once its share of that last action has run. Parameter buckets: chunks 0 and 1 all dispatched at the step's start
     (``gather_at_start``, else at their first forward), a later chunk's at its first forward,
     in the order the forward needs them, or with ``gather_aligned`` in bucket order (stock's: the
     first layers' bucket last); a chunk's first forward runs each bucket's share once it is
@@ -368,6 +372,9 @@ class _ChunkDP(_DPState):
 
     def segment(self, index: int, seg, start: float, end: float) -> None:
         for c in self.ready_at.get(index, ()):
-            for ms, bc in zip(self.sync.reduce_ms, self.sync.reduce_chunks):
-                if bc == c:
-                    self.reduce_end = max(self.reduce_end, self._book("RS", end, ms))
+            sizes = [ms for ms, bc in zip(self.sync.reduce_ms, self.sync.reduce_chunks) if bc == c]
+            total, acc = sum(sizes) or 1.0, 0.0
+            for ms in sizes:  # with ``fill`` bucket k is in after its share of the action, else all at its end
+                acc += ms
+                ready = start + (end - start) * acc / total if self.sync.fill else end
+                self.reduce_end = max(self.reduce_end, self._book("RS", ready, ms))

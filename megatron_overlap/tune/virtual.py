@@ -8,10 +8,12 @@ interleaved schedule has ``v p - 1`` hops per micro-batch, ZB-V ``2 p - 2``: its
 the last stage); stock interleaved's transfers overlapped as its ``overlap_p2p_comm`` does
 (posted early, waited late); the data-parallel sync per model chunk, as Megatron-LM's
 ``get_model`` builds one DDP per chunk (``chunk_syncs``): each chunk holds ``1 / v`` of every
-parameter of its stage (the emulated cluster's assumption, ``lab/cluster_chunks.py``), chunk 0
-bucketed as the stage is (only stage 0 has several buckets), later chunks one bucket each; a
-chunk's buckets leave at its last gradient (stock: ``pipeline rank`` backwards later, as
-Megatron's interleaved schedule staggers them), chunks 0 and 1 gather their parameters from
+parameter of its stage (the emulated cluster's assumption, ``lab/cluster_chunks.py``); stock:
+chunk 0 bucketed as the stage is (only stage 0 has several buckets), later chunks one bucket
+each, a chunk's buckets leaving together ``pipeline rank`` backwards after its last gradient
+(as Megatron's interleaved schedule staggers them); ours: every chunk of every stage bucketed
+as stage 0 is (``integration/ddp.py``), each bucket leaving as it fills over the chunk's last
+gradient action (``DPSync.fill``); chunks 0 and 1 gather their parameters from
 the step's start (``align_param_gather``): stock in bucket order, the chunk's last layers first
 (so its first forward waits for every bucket), ours in the order the forward needs them.
 """
@@ -71,16 +73,18 @@ def chunk_syncs(work, run, hw, options: DPOptions, v: int, kind: str) -> list:
     link = hw.link_for(run.tp * run.cp * run.dp)
     gather = options.distributed_optimizer and options.overlap_param_gather
     out = []
+    stock = kind == "megatron"
     for stage, params in enumerate(stage_params(work)):
         share = [max(1, n // v) for n in params]
         sizes, chunks = [], []
         for c in range(v):
-            mine = buckets(share, stage_bucket_size(ranks, stage, options.overlap_grad_reduce) if c == 0 else None)
+            cut = stage_bucket_size(ranks, stage if stock else 0, options.overlap_grad_reduce)
+            mine = buckets(share, cut if c == 0 or not stock else None)
             sizes += mine
             chunks += [c] * len(mine)
         out.append(bucket_sync(sizes, chunks, ranks, link, hw.dtype_bytes, options.distributed_optimizer, gather,
-                               gather_at_start=True, sync_delay=stage if kind == "megatron" else 0,
-                               gather_aligned=kind == "megatron"))
+                               gather_at_start=True, sync_delay=stage if stock else 0, gather_aligned=stock,
+                               fill=not stock))
     return out
 
 
