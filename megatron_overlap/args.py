@@ -140,12 +140,12 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         "fit (estimated from the model shape).")),
     ("--overlap-pp-buckets", "pp.buckets", dict(
         choices=PP_BUCKETS, default=None,
-        help="Megatron DDP's gradient buckets with a virtual pipeline under --overlap-pp: every-chunk (default) "
-        "keeps DDP's bucket size on every stage and model chunk and sends each bucket as it fills (Megatron "
-        "gives each chunk but stage 0's first one bucket, whose reduction then waits for its last gradient); "
-        "megatron keeps Megatron's buckets. The distributed optimizer's default checkpoint format "
-        "(dp_reshardable) follows the buckets: resume a checkpoint with the layout it was saved with, or save "
-        "with --dist-ckpt-optim-fully-reshardable.")),
+        help="Megatron DDP's gradient buckets with a virtual pipeline under --overlap-pp. megatron (default): "
+        "Megatron's (each chunk but stage 0's first in one bucket, whose reduction waits for the chunk's last "
+        "gradient). every-chunk: DDP's bucket size on every stage and model chunk, each bucket sent as it fills "
+        "(less exposed data-parallel time, more collectives). The distributed optimizer's checkpointed state "
+        "follows the buckets: resume a checkpoint with the layout it was saved with, or save with "
+        "--dist-ckpt-optim-fully-reshardable.")),
     ("--overlap-timeout-s", "comm.timeout_s", dict(
         type=_amount("comm.timeout_s", "seconds", rules.MAX_TIMEOUT_S), default=None, metavar="S",
         help="Bound every wait of the plugin's own communication (TP rings, CP and HDP rings, the HDP exchange, "

@@ -203,10 +203,10 @@ class PPConfig(_Section):
     memory_budget_gb: Optional[float] = None
     """Activation memory per stage; sets ``max_inflight`` to what fits."""
 
-    buckets: str = "every-chunk"
-    """Megatron DDP's gradient buckets with a virtual pipeline: ``every-chunk`` (its bucket size on
-    every stage and model chunk, each bucket sent as it fills; ``integration/ddp.py``) or
-    ``megatron`` (Megatron's: one bucket per chunk but stage 0's first)."""
+    buckets: str = "megatron"
+    """Megatron DDP's gradient buckets with a virtual pipeline: ``megatron`` (Megatron's: one
+    bucket per chunk but stage 0's first) or ``every-chunk`` (its bucket size on every stage and
+    model chunk, each bucket sent as it fills; ``integration/ddp.py``)."""
 
     explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
 
@@ -249,7 +249,7 @@ class PPConfig(_Section):
             out += [flag_for("pp.max_inflight"), str(self.max_inflight)]
         if self.memory_budget_gb is not None:
             out += [flag_for("pp.memory_budget_gb"), f"{self.memory_budget_gb:g}"]
-        if self.buckets != "every-chunk":
+        if self.buckets != "megatron":
             out += [flag_for("pp.buckets"), self.buckets]
         return out
 
@@ -355,7 +355,7 @@ class OverlapConfig:
                         explicit=frozenset(n for n, dest in (("max_tokens", "hdp_max_tokens_per_rank"),
                                                              ("mode", "hdp_mode")) if get(dest) is not None))
         pp = PPConfig(mode=get("overlap_pp") or "off", max_inflight=get("overlap_pp_max_inflight"),
-                      memory_budget_gb=get("overlap_pp_memory_budget"), buckets=get("overlap_pp_buckets") or "every-chunk",
+                      memory_budget_gb=get("overlap_pp_memory_budget"), buckets=get("overlap_pp_buckets") or "megatron",
                       explicit=frozenset(n for n, dest in (("max_inflight", "overlap_pp_max_inflight"),
                                                            ("memory_budget_gb", "overlap_pp_memory_budget"),
                                                            ("buckets", "overlap_pp_buckets"))

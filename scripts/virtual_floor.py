@@ -25,7 +25,7 @@ def main(limit_s: float) -> None:
     model, hw = get_model("llama3-70b"), get_hardware("h100-sxm")
     run = RunSpec(tp=8, pp=4, dp=2, seq=8192, micro_batch=1, micro_batches=16, phase="train")
     costs = stage_costs(model, run, hw, Strategy("symm-mem"))
-    syncs = relaxed_syncs(chunk_syncs(costs.work, run, hw, DPOptions(), 2, "zb"))
+    syncs = relaxed_syncs(chunk_syncs(costs.work, run, hw, DPOptions(), 2, "zb", "every-chunk"))  # the finest cut
     memory = [1.05 * x for x in build("megatron", 4, 16, chunks=2).memory_bound]
     for name, placement in (("interleaved", interleaved_placement(4, 2)), ("V", v_placement(4))):
         t0 = time.time()

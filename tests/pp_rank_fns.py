@@ -21,7 +21,7 @@ def _trainer(tp: int, pp: int, overlap_grad_reduce: bool):
     return _TRAINERS[key]
 
 
-def _install(mode: str, inflight, tp: int, sub_batches: int = 1):
+def _install(mode: str, inflight, tp: int, sub_batches: int = 1, buckets: str = "megatron"):
     import megatron_overlap
     from megatron_overlap.config import OverlapConfig, PPConfig, TPConfig
 
@@ -30,7 +30,8 @@ def _install(mode: str, inflight, tp: int, sub_batches: int = 1):
         return None
     explicit = frozenset({"max_inflight"}) if inflight else frozenset()
     config = OverlapConfig(tp=TPConfig(mode="p2p" if tp > 1 else "off", sub_batches=sub_batches),
-                           pp=PPConfig(mode=mode, max_inflight=inflight, explicit=explicit))
+                           pp=PPConfig(mode=mode, max_inflight=inflight, buckets=buckets,
+                                       explicit=explicit | ({"buckets"} if buckets != "megatron" else set())))
     return megatron_overlap.install(config)
 
 
@@ -191,8 +192,8 @@ def vpp_runs_distopt(pp: int, v: int, runs: list, steps: int) -> dict:
     _ParamAndGradBucketGroup.start_param_sync = start_param_sync
     _ParamAndGradBucketGroup.start_grad_sync = start_grad_sync
     try:
-        for mode, m in runs:
-            inst = _install(mode, None, 1)  # before the model is wrapped, as the flags do through pretrain_gpt.py
+        for mode, m, buckets in runs:
+            inst = _install(mode, None, 1, buckets=buckets)  # before the model is wrapped, as pretrain_gpt.py's flags
             trainer = VirtualPipelineTrainer(PipelineGPT(spec=spec, pp=pp, microbatches=m), v, True,
                                              distributed_optimizer=True)
             where.clear()
@@ -206,7 +207,7 @@ def vpp_runs_distopt(pp: int, v: int, runs: list, steps: int) -> dict:
                 order = list(dispatched) if step == 0 else order
             for d in trainer.ddps:  # the last step's updates are gathered by the next step's forward: now
                 d.start_param_sync(force_sync=True)
-            out[f"{mode}/{m}"] = {"losses": losses, "grads": grads[0], "params": trainer.state(),
+            out[f"{mode}/{m}/{buckets}"] = {"losses": losses, "grads": grads[0], "params": trainer.state(),
                                   "calls": dict(inst.calls) if inst is not None else {}, "gathers": order,
                                   "reduces": list(reduced)}  # the last step's
             megatron_overlap.uninstall()

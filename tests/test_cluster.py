@@ -120,15 +120,16 @@ def test_virtual_pipelines_on_the_emulated_cluster_reproduce_the_simulator(pool4
     from megatron_overlap.lab.session import RemoteSession
 
     cfg = ClusterConfig(pp=2, dp=2, microbatches=4, steps=2, warmup=1, exposed=False, vpp=2,
-                        modes=("stock", "zb", "zbv"))
+                        modes=("stock", "zb", "zbv-ec"))
     ranks = RemoteSession(pool4, ClusterRanks, asdict(cfg))
     try:
         rounds = ranks.rounds(cfg.warmup, cfg.steps)
     finally:
         ranks.close()
     assert {tuple(d["bucket_chunks"]) for d in ranks.started if d["stage"] == 1} == {(0, 1)}  # stock: one per chunk
-    for d in ranks.started:  # ours: several per chunk on every stage (integration/ddp.py), the same elements
-        for mode in ("zb", "zbv"):  # (the distributed optimizer pads each parameter's start within a bucket)
+    for d in ranks.started:  # every-chunk: several per chunk on every stage (integration/ddp.py), the same elements
+        assert d["mode_buckets"]["zb"] == d["mode_buckets"]["stock"]  # the default: Megatron's
+        for mode in ("zbv-ec",):  # (the distributed optimizer pads each parameter's start within a bucket)
             numels, chunks = d["mode_buckets"][mode]
             assert all(chunks.count(c) > 1 for c in (0, 1)), (d["stage"], mode, chunks)
             assert d["params"] <= sum(numels) <= 1.02 * d["params"], (d["stage"], mode, sum(numels), d["params"])
@@ -139,7 +140,7 @@ def test_virtual_pipelines_on_the_emulated_cluster_reproduce_the_simulator(pool4
     assert result["losses_identical"] and len(set(modes["stock"]["loss"])) == cfg.steps
     assert modes["zb"]["predicted_step_ms"] < modes["stock"]["predicted_step_ms"]
     assert modes["zb"]["step_ms"] < modes["stock"]["step_ms"]
-    assert modes["zbv"]["peak_microbatches"] < modes["stock"]["peak_microbatches"]
+    assert modes["zbv-ec"]["peak_microbatches"] < modes["stock"]["peak_microbatches"]
     assert result["floor"]["bound_ms"] <= min(r["predicted_step_ms"] for r in modes.values()) + 1e-6
 
 
@@ -157,6 +158,8 @@ def test_emulated_cluster_refuses_virtual_pipelines_it_cannot_run():
     refused(r"--schedules 1f1b-inflight with --vpp 2: virtual pipelines run stock, 1f1b, zb, zbv", vpp=2,
             modes=("stock", "1f1b-inflight"))
     refused(r"--vpp 0: model chunks per stage must be >= 1", vpp=0)
+    refused(r"1f1b-ec/zb-ec/zbv-ec \(ours with every-chunk DDP buckets\) compare bucket layouts of virtual "
+            r"pipelines: give --vpp 2", modes=("stock", "zb-ec"))
     refused(r"--bucket-factor 0.0: the DDP bucket size's factor must be a positive number", bucket_factor=0.0)
     refused(r"--bucket-factor nan: the DDP bucket size's factor must be a positive number", bucket_factor=float("nan"))
     check(ClusterConfig(vpp=2, modes=("stock", "zb", "zbv")), cores=2, memory_gb=24)  # the benchmark's: fine

@@ -147,9 +147,9 @@ def test_every_subpackage_is_installed():
 
 
 def test_virtual_pipeline_buckets_patch_and_checkpoint_notice():
-    """``--overlap-pp`` ours keeps DDP buckets on every stage and chunk (``integration/ddp.py``):
-    DDP's and its buffer's constructors patched while installed and restored exactly after;
-    ``--overlap-pp-buckets megatron`` leaves them alone. With the distributed optimizer and a
+    """``--overlap-pp-buckets every-chunk`` keeps DDP buckets on every stage and chunk
+    (``integration/ddp.py``): DDP's and its buffer's constructors patched while installed and
+    restored exactly after; the default (``megatron``) leaves them alone. With the distributed optimizer and a
     checkpoint to save or load in its bucket-following format, a notice says which layout
     resumes which checkpoint; none where the format does not follow buckets."""
     from types import SimpleNamespace
@@ -157,25 +157,27 @@ def test_virtual_pipeline_buckets_patch_and_checkpoint_notice():
     from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
 
     from megatron_overlap.config import OverlapConfig, PPConfig
+    from megatron_overlap.errors import render
     from megatron_overlap.integration.ddp import buckets_patchable, checkpoint_notice
 
     ddp_cls, buf_cls = distributed_data_parallel.DistributedDataParallel, param_and_grad_buffer._ParamAndGradBuffer
     before = ddp_cls.__dict__["__init__"], buf_cls.__dict__["__init__"]
     assert buckets_patchable() == ""  # megatron-core 0.16
     try:
-        megatron_overlap.install(OverlapConfig(pp=PPConfig(mode="zb")))
+        megatron_overlap.install(OverlapConfig(pp=PPConfig(mode="zb", buckets="every-chunk", explicit=frozenset({"buckets"}))))
         assert ddp_cls.__dict__["__init__"] is not before[0] and buf_cls.__dict__["__init__"] is not before[1]
         megatron_overlap.uninstall()
         assert (ddp_cls.__dict__["__init__"], buf_cls.__dict__["__init__"]) == before
-        megatron_overlap.install(OverlapConfig(pp=PPConfig(mode="zb", buckets="megatron", explicit=frozenset({"buckets"}))))
+        megatron_overlap.install(OverlapConfig(pp=PPConfig(mode="zb")))  # the default: Megatron's buckets
         assert (ddp_cls.__dict__["__init__"], buf_cls.__dict__["__init__"]) == before
     finally:
         megatron_overlap.uninstall()
     args = dict(virtual_pipeline_model_parallel_size=2, use_distributed_optimizer=True, save="/ckpt", load=None,
                 dist_ckpt_optim_fully_reshardable=False, ckpt_format="torch_dist")
-    said = checkpoint_notice(PPConfig(mode="zb"), SimpleNamespace(**args))
+    ec = PPConfig(mode="zb", buckets="every-chunk")
+    said = render(checkpoint_notice(ec, SimpleNamespace(**args)))
     assert "resumes only with --overlap-pp-buckets megatron" in said and "--dist-ckpt-optim-fully-reshardable" in said
     for change in (dict(dist_ckpt_optim_fully_reshardable=True), dict(save=None), dict(use_distributed_optimizer=False),
                    dict(virtual_pipeline_model_parallel_size=None)):
-        assert checkpoint_notice(PPConfig(mode="zb"), SimpleNamespace(**{**args, **change})) == "", change
+        assert checkpoint_notice(ec, SimpleNamespace(**{**args, **change})) == "", change
     assert checkpoint_notice(PPConfig(mode="zb", buckets="megatron"), SimpleNamespace(**args)) == ""

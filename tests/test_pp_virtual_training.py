@@ -12,6 +12,7 @@ order per chunk as stock's. Megatron's P2P as Megatron-LM configures it with a v
 gradient (both go to the one other rank) and its own losses move (``lab/virtual_gpt.py``)."""
 
 import pytest
+import torch
 
 from . import pp_rank_fns
 
@@ -44,18 +45,23 @@ def test_distributed_optimizer_with_overlapped_gathers_keeps_the_numerics(pool4)
     overlap_grad_reduce and overlap_param_gather, align_param_gather (each chunk's gather launched
     by the schedule): losses, every gradient buffer after one step and every parameter after the
     last bit-identical to Megatron's interleaved 1F1B. The buckets: stock's on stage 0's first
-    chunk only (one per chunk elsewhere), ours on every stage and chunk (``ddp.py``), each sent
-    by DDP's hook as it fills (a step after the first), once. The gathers: stock dispatches a
+    chunk only (one per chunk elsewhere), and so ours by default; with ``--overlap-pp-buckets
+    every-chunk`` on every stage and chunk (``ddp.py``), each sent by DDP's hook as it fills (a
+    step after the first), once, and the data-parallel gradients (gathered from the shards, which
+    the other cut places elsewhere) within 1e-6. The gathers: stock dispatches a
     chunk's bucket groups in their order (bucket 0 holds the chunk's last layers, so its first
     forward waits for all of them); ours last first, the order the forward needs them."""
-    runs = [(mode, 4) for mode in ("off", "1f1b", "zb")]
+    runs = [("off", 4, "megatron"), ("1f1b", 4, "every-chunk"), ("zb", 4, "every-chunk"), ("zb", 4, "megatron")]
     for rank, per_run in enumerate(pool4.run(pp_rank_fns.vpp_runs_distopt, 2, 2, runs, 3)):
-        stock = per_run["off/4"]
+        stock = per_run["off/4/megatron"]
+        plain = per_run["zb/4/megatron"]  # the default: Megatron's buckets, ours only reorders the gathers
+        assert sorted(plain["gathers"]) == sorted(stock["gathers"]) and plain["losses"] == stock["losses"], rank
+        assert plain["params"] and all(torch.equal(x, y) for x, y in zip(plain["params"], stock["params"])), rank
         chunk0 = [k for c, k in stock["gathers"] if c == 0]
         assert chunk0 == sorted(chunk0) and (len(chunk0) > 1) == (rank < 2), (rank, stock["gathers"])  # bucketed on stage 0
         assert [k for c, k in stock["gathers"] if c == 1] == [0], (rank, stock["gathers"])
         for mode in ("1f1b", "zb"):
-            ours = per_run[f"{mode}/4"]
+            ours = per_run[f"{mode}/4/every-chunk"]
             groups = {c: sorted(k for cc, k in ours["gathers"] if cc == c) for c in (0, 1)}
             assert all(len(g) > 1 and g == list(range(len(g))) for g in groups.values()), (rank, mode, groups)
             assert ours["gathers"] == [(c, k) for c in (0, 1) for k in reversed(groups[c])], (rank, mode, ours["gathers"])

@@ -42,7 +42,8 @@ from .cluster_virtual import VIRTUAL_MODES, check_virtual, schedule_syncs, virtu
 
 NAMES = {"stock": "stock Megatron 1F1B", "1f1b": "1f1b (async P2P)", "zb": "zb (ZB-H1, drained)",
          "1f1b-inflight": "1f1b, K = 2p-1", "zbv": "zbv (ZB-V)"}
-KINDS = {"stock": "megatron", "1f1b": "1f1b", "zb": "zb", "1f1b-inflight": "1f1b", "zbv": "zbv"}
+KINDS = {"stock": "megatron", "1f1b": "1f1b", "zb": "zb", "1f1b-inflight": "1f1b", "zbv": "zbv", "1f1b-ec": "1f1b",
+         "zb-ec": "zb", "zbv-ec": "zbv"}
 
 RANKS_PER_CORE = 8  # emulated ranks one core serves with their wake-ups on time (BENCHMARKS.md, the lab check)
 RANK_MEMORY_GB = 0.6  # resident memory per emulated rank: 0.43 GB measured (RSS, PP=8, shared pages counted), plus margin

@@ -71,11 +71,16 @@ def report() -> dict:
         "zbv": (mcore_ok and compat.parse_version(mcore)[:2] == (0, 16),
                 "ZB-V: 2 model chunks per stage in a V (Megatron's layer offsets patched: megatron-core 0.16.x "
                 "only), 1F1B's peak memory; untied embeddings"),
-        "auto": (mcore_ok, "zb where the weight gradients can be deferred, else 1f1b (non-interleaved only)"),
+        "auto": (mcore_ok, "zb where the weight gradients can be deferred, else 1f1b; with a virtual pipeline the "
+                           "cost model's fastest of stock interleaved, zb and zbv"),
     }
     info["pipeline schedules"] = {name: {"usable": ok, "note": note} for name, (ok, note) in schedules.items()}
-    info["pipeline note"] = ("PP > 1 only (PP = 1: a notice, stock runs); virtual pipelines: 1f1b, zb, zbv "
-                             "(auto refused)")
+    from ..integration.ddp import buckets_patchable
+
+    cut = buckets_patchable() if mcore_ok else "megatron-core missing or unsupported"
+    info["pipeline note"] = ("PP > 1 only (PP = 1: a notice, stock runs); virtual pipelines: 1f1b, zb, zbv, auto; "
+                             "their DDP buckets: Megatron's (default) or every-chunk (--overlap-pp-buckets: "
+                             + ("usable here)" if not cut else f"not here: megatron-core's {cut})"))
     ortools = _version("ortools")
     info["pipeline floor"] = (f"megatron-overlap floor / bench pp's floor: CP-SAT from ortools {ortools}" if ortools
                               else "megatron-overlap floor needs ortools (pip install ortools); bench pp then "

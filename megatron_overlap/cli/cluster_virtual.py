@@ -20,9 +20,10 @@ placement, at the memory the issue allows: 1.05x stock interleaved's peak per st
 
 from __future__ import annotations
 
-from ..lab.cluster_chunks import VIRTUAL_MODES
+from ..lab.cluster_chunks import EVERY_CHUNK, VIRTUAL_MODES, base_mode
 VIRTUAL_NAMES = {"stock": "stock Megatron interleaved 1F1B", "1f1b": "1f1b interleaved (async P2P)",
                  "zb": "zb interleaved (B/W split)", "zbv": "zbv (ZB-V)"}
+VIRTUAL_NAMES.update({m: f"{base_mode(m)}, every-chunk buckets" for m in EVERY_CHUNK})
 
 
 def check_virtual(cfg, layers: int, error) -> None:
@@ -30,13 +31,16 @@ def check_virtual(cfg, layers: int, error) -> None:
     v = cfg.vpp
     if v < 1:
         raise error(f"--vpp {v}: model chunks per stage must be >= 1")
-    if "zbv" in cfg.modes and v != 2:
+    if {"zbv", "zbv-ec"} & set(cfg.modes) and v != 2:
         raise error(f"zbv needs exactly 2 model chunks per stage (the V), got --vpp {v}: give --vpp 2")
+    if set(EVERY_CHUNK) & set(cfg.modes) and v == 1:
+        raise error(f"{'/'.join(EVERY_CHUNK)} (ours with every-chunk DDP buckets) compare bucket layouts of virtual "
+                    "pipelines: give --vpp 2 or more")
     if v == 1:
         return
-    bad = [m for m in cfg.modes if m not in VIRTUAL_MODES]
+    bad = [m for m in cfg.modes if m not in VIRTUAL_MODES + EVERY_CHUNK]
     if bad:
-        raise error(f"--schedules {','.join(bad)} with --vpp {v}: virtual pipelines run {', '.join(VIRTUAL_MODES)}")
+        raise error(f"--schedules {','.join(bad)} with --vpp {v}: virtual pipelines run {', '.join(VIRTUAL_MODES + EVERY_CHUNK)}")
     if cfg.microbatches % cfg.pp:
         raise error(f"--microbatches {cfg.microbatches} is not a multiple of --pp {cfg.pp}: Megatron's interleaved "
                     "schedule (stock, with --vpp > 1) requires it")

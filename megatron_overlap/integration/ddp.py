@@ -119,7 +119,7 @@ def checkpoint_notice(pp, args) -> str:
         return ""
     return ("`pp.buckets` every-chunk: DDP buckets on every stage and model chunk; the distributed optimizer's "
             "checkpointed state follows the buckets (torch_dist's default dp_reshardable, and the legacy torch "
-            "format), so a checkpoint saved with Megatron's buckets (without --overlap-pp, or with "
-            "--overlap-pp-buckets megatron) resumes only with --overlap-pp-buckets megatron, and one saved now only "
+            "format), so a checkpoint saved with Megatron's buckets (without `pp.mode`, or with "
+            "`pp.buckets` megatron) resumes only with `pp.buckets` megatron, and one saved now only "
             "with every-chunk (Megatron checks the bucket sizes); --ckpt-format torch_dist with "
             "--dist-ckpt-optim-fully-reshardable saves a layout either can load")

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 MODES = ("stock", "1f1b", "zb")
-ALL_MODES = MODES + ("1f1b-inflight", "zbv")  # 1f1b with K = 2p - 1 in flight; ZB-V (vpp = 2): asked for by name
+ALL_MODES = MODES + ("1f1b-inflight", "zbv", "1f1b-ec", "zb-ec", "zbv-ec")  # K = 2p - 1; ZB-V; every-chunk: by name
 TARGET_ELEMENTS = 500_000  # parameter elements of the largest stage after scaling: gloo moves real bytes with real CPU
 VARIANTS = ("link", "dp free", "free")
 
@@ -291,17 +291,16 @@ class ClusterRanks:
         Megatron's arguments there)."""
         import megatron_overlap
         from ..config import OverlapConfig, PPConfig
+        from .cluster_chunks import lab_pp
 
         megatron_overlap.uninstall()
         if mode == "stock":
             return None
-        if mode == "1f1b-inflight":
-            k = min(self.cfg.microbatches, 2 * self.cfg.pp - 1)
-            pp = PPConfig(mode="1f1b", max_inflight=k, explicit=frozenset({"max_inflight"}))
-        else:
-            pp = PPConfig(mode=mode)
+        k = min(self.cfg.microbatches, 2 * self.cfg.pp - 1)
+        pp = PPConfig(mode="1f1b", max_inflight=k, explicit=frozenset({"max_inflight"})) if mode == "1f1b-inflight" \
+            else lab_pp(mode)
         inst = megatron_overlap.install(OverlapConfig(pp=pp))
-        if mode in ("zb", "zbv"):
+        if pp.split:
             inst.pp_times = self.placement
         return inst
 

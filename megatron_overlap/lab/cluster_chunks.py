@@ -28,11 +28,26 @@ from dataclasses import replace
 import torch
 
 VIRTUAL_MODES = ("stock", "1f1b", "zb", "zbv")  # stock: Megatron's interleaved 1F1B
+EVERY_CHUNK = ("1f1b-ec", "zb-ec", "zbv-ec")  # ours with ``--overlap-pp-buckets every-chunk``: asked for by name
+
+
+def base_mode(mode: str) -> str:
+    """The schedule of a lab mode (``zb-ec`` -> ``zb``)."""
+    return mode[:-3] if mode in EVERY_CHUNK else mode
+
+
+def lab_pp(mode: str):
+    """The ``PPConfig`` a lab schedule installs (``1f1b-inflight`` is the caller's)."""
+    from ..config import PPConfig
+
+    if mode in EVERY_CHUNK:
+        return PPConfig(mode=base_mode(mode), buckets="every-chunk", explicit=frozenset({"buckets"}))
+    return PPConfig(mode=mode)
 
 
 def virtual_index(mode: str, stage: int, chunk: int, p: int, v: int) -> int:
     """The virtual stage (0 = the model's first) of ``chunk`` on ``stage`` in ``mode``'s placement."""
-    if mode == "zbv":
+    if base_mode(mode) == "zbv":
         return stage if chunk == 0 else 2 * p - 1 - stage
     return chunk * p + stage
 
@@ -41,11 +56,11 @@ def virtual_index(mode: str, stage: int, chunk: int, p: int, v: int) -> int:
 def _installed(mode: str):
     """``--overlap-pp mode`` installed for the block (nothing for stock)."""
     import megatron_overlap
-    from ..config import OverlapConfig, PPConfig
+    from ..config import OverlapConfig
 
     megatron_overlap.uninstall()
     if mode != "stock":
-        megatron_overlap.install(OverlapConfig(pp=PPConfig(mode=mode)))
+        megatron_overlap.install(OverlapConfig(pp=lab_pp(mode)))
     try:
         yield
     finally:

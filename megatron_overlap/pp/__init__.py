@@ -5,7 +5,7 @@ with Megatron's ``forward_step`` / ``backward_step`` is ``integration/schedules.
 from .build import KINDS, build, check_inflight
 
 MODES = ("off", "1f1b", "zb", "zbv", "auto")  # --overlap-pp (zbv: virtual pipelines of 2 chunks)
-BUCKETS = ("every-chunk", "megatron")  # --overlap-pp-buckets (integration/ddp.py)
+BUCKETS = ("megatron", "every-chunk")  # --overlap-pp-buckets (integration/ddp.py)
 from .schedule import Action, Comm, Schedule
 from .validate import ScheduleError, validate
 

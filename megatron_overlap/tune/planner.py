@@ -83,7 +83,7 @@ def make_plan(model: ModelSpec, run: RunSpec, hw, strategies: list = None) -> Pl
         from .virtual import simulate_virtual
 
         pipeline = simulate_schedules(model, run, hw, ranked[0].strategy) + simulate_virtual(
-            model, run, hw, ranked[0].strategy)
+            model, run, hw, ranked[0].strategy, buckets=("megatron", "every-chunk"))
     return Plan(model, run, hw, ranked, [r for r in results if not r.applicable], pipeline)
 
 

@@ -11,9 +11,10 @@ the last stage); stock interleaved's transfers overlapped as its ``overlap_p2p_c
 parameter of its stage (the emulated cluster's assumption, ``lab/cluster_chunks.py``); stock:
 chunk 0 bucketed as the stage is (only stage 0 has several buckets), later chunks one bucket
 each, a chunk's buckets leaving together ``pipeline rank`` backwards after its last gradient
-(as Megatron's interleaved schedule staggers them); ours: every chunk of every stage bucketed
-as stage 0 is (``integration/ddp.py``), each bucket leaving as it fills over the chunk's last
-gradient action (``DPSync.fill``); chunks 0 and 1 gather their parameters from
+(as Megatron's interleaved schedule staggers them); ours: the same buckets (with
+``--overlap-pp-buckets every-chunk`` every chunk of every stage bucketed as stage 0 is,
+``integration/ddp.py``), each bucket leaving as it fills over the chunk's last gradient action
+(``DPSync.fill``); chunks 0 and 1 gather their parameters from
 the step's start (``align_param_gather``): stock in bucket order, the chunk's last layers first
 (so its first forward waits for every bucket), ours in the order the forward needs them.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from ..config import PPConfig
 from ..pp import build
-from ..pp.buckets import buckets, stage_bucket_size
+from ..pp.buckets import buckets as cut_buckets, stage_bucket_size
 from ..pp.simulate import DPSync, LinkCost, simulate as simulate_pipeline
 from ..pp.work import stage_params
 from .comm import all_gather_cost, all_reduce_cost, reduce_scatter_cost
@@ -38,35 +39,40 @@ VIRTUAL = (
 
 
 def simulate_virtual(model, run, hw, strategy: Strategy = Strategy("megatron"),
-                     dp_options: DPOptions = DPOptions(), chunks=(2, 4)) -> list:
+                     dp_options: DPOptions = DPOptions(), chunks=(2, 4), buckets=("megatron",)) -> list:
     """The rows of ``VIRTUAL`` that this model and layout can run (layers divisible into the
-    chunks, micro-batches as Megatron's interleaved schedule requires)."""
+    chunks, micro-batches as Megatron's interleaved schedule requires); ours once per DDP bucket
+    layout in ``buckets`` (``--overlap-pp-buckets``)."""
     costs = stage_costs(model, run, hw, strategy, dp_options)
     p, m = run.pp, run.micro_batches
     link, free = LinkCost(transfer_ms=costs.transfer_ms), LinkCost()
     own = tuple(sum(getattr(t, x) for t in costs.times) / p for x in ("f", "b", "w"))
     out = []
-    for label, kind, v in VIRTUAL:
+    rows = [(label, kind, v, "megatron") for label, kind, v in VIRTUAL if kind == "megatron"]
+    rows += [(label + ("" if b == "megatron" else ", every-chunk"), kind, v, b) for b in buckets
+             for label, kind, v in VIRTUAL if kind != "megatron"]
+    for label, kind, v, layout in rows:
         if model.layers % (p * v) or p < 2 or v not in chunks:
             continue
         try:
             schedule = build(kind, p, m, chunks=v, times=own)
         except ValueError:
             continue
-        dp = chunk_syncs(costs.work, run, hw, dp_options, v, kind)
+        dp = chunk_syncs(costs.work, run, hw, dp_options, v, kind, layout)
         on_link = simulate_pipeline(schedule, costs.times, link, dp)
         no_dp = simulate_pipeline(schedule, costs.times, link)
         alone = simulate_pipeline(schedule, costs.times, free)
         layers = f"--num-layers-per-virtual-pipeline-stage {model.layers // (p * v)}"
-        flags = layers if kind == "megatron" else " ".join(PPConfig(mode=kind).flags() + [layers])
+        flags = layers if kind == "megatron" else " ".join(PPConfig(mode=kind, buckets=layout).flags() + [layers])
         out.append(ScheduleResult(label, flags, on_link.step_ms, alone.bubble, no_dp.step_ms - alone.step_ms,
                                   on_link.step_ms - no_dp.step_ms,
                                   max(schedule.memory_bound) * costs.activation_bytes / 1e9))
     return out
 
 
-def chunk_syncs(work, run, hw, options: DPOptions, v: int, kind: str) -> list:
-    """Each stage's ``DPSync`` with one DDP per model chunk (module docstring)."""
+def chunk_syncs(work, run, hw, options: DPOptions, v: int, kind: str, buckets: str = "megatron") -> list:
+    """Each stage's ``DPSync`` with one DDP per model chunk (module docstring); ``buckets``: ours'
+    layout (``--overlap-pp-buckets``)."""
     ranks = run.dp * run.cp
     if ranks <= 1:
         return [DPSync() for _ in work]
@@ -74,12 +80,13 @@ def chunk_syncs(work, run, hw, options: DPOptions, v: int, kind: str) -> list:
     gather = options.distributed_optimizer and options.overlap_param_gather
     out = []
     stock = kind == "megatron"
+    everywhere = not stock and buckets == "every-chunk"
     for stage, params in enumerate(stage_params(work)):
         share = [max(1, n // v) for n in params]
         sizes, chunks = [], []
         for c in range(v):
-            cut = stage_bucket_size(ranks, stage if stock else 0, options.overlap_grad_reduce)
-            mine = buckets(share, cut if c == 0 or not stock else None)
+            cut = stage_bucket_size(ranks, 0 if everywhere else stage, options.overlap_grad_reduce)
+            mine = cut_buckets(share, cut if c == 0 or everywhere else None)
             sizes += mine
             chunks += [c] * len(mine)
         out.append(bucket_sync(sizes, chunks, ranks, link, hw.dtype_bytes, options.distributed_optimizer, gather,
