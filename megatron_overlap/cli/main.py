@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    from ..lab.rank_pool import no_bar_thread
+
+    no_bar_thread()
     if args.command == "run":
         from ..integration.launch import LaunchError, run_script
 

@@ -91,6 +91,18 @@ def _worker(rank: int, world_size: int, port: int, conn, pg_timeout_s: float, th
         pass
 
 
+def no_bar_thread() -> None:
+    """No tqdm monitor thread (the command line calls this first): tqdm starts one even for a
+    disabled bar, and with a second thread the pools here spawn their ranks (each importing
+    Megatron again, seconds per rank) instead of forking them (``_fork_is_safe``); the bars
+    still draw, only tqdm's stall check is off."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - a dependency
+        return
+    tqdm.monitor_interval = 0
+
+
 def _fork_is_safe() -> bool:
     """Fork (the ranks inherit this process's imports: Megatron's take ~8 s per spawned rank)
     only from a process with one thread and no process group of its own, such as a command-line
