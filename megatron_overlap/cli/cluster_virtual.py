@@ -4,8 +4,8 @@ floor at 1.05x stock interleaved's activation memory.
 
 Megatron-LM builds one DDP per model chunk; its interleaved schedule dispatches a chunk's
 gradient buckets ``pipeline rank`` backwards after the chunk's last one (``sync_delay``); ours
-keeps buckets on every stage and chunk (``integration/ddp.py``, the run's own buckets per
-schedule) and sends each as it fills over the chunk's last gradient action (``fill``); both gather chunks 0 and 1's parameters at the step's
+(the run's own buckets per schedule: Megatron's, or with ``--overlap-pp-buckets every-chunk``
+on every stage and chunk, ``integration/ddp.py``) sends each as it fills over the chunk's last gradient action (``fill``); both gather chunks 0 and 1's parameters at the step's
 start (``align_param_gather``), stock in bucket order (last layers first, ``gather_aligned``),
 ours in the order the forward needs them. The simulator takes that from ``DPSync.reduce_chunks``.
 
@@ -13,7 +13,7 @@ The floor (``pp/optimal.py``) prices a stage's data-parallel sync as one block a
 stage's last gradient. With one DDP per chunk only the chunk that finishes last is certain to
 reduce after it, so the floor runs with a relaxation that stays a lower bound: per stage the
 buckets of its cheapest chunk after the last gradient, and chunk 0's parameter gather (the
-first forward's) at the start, from the finest cut any schedule's DDP made (ours: buckets on
+first forward's) at the start, from the finest cut any schedule's DDP made (every-chunk: buckets on
 every chunk), since a finer cut only relaxes it. The floor is the smaller over the interleaved and (v = 2) the V
 placement, at the memory the issue allows: 1.05x stock interleaved's peak per stage.
 """
@@ -31,7 +31,7 @@ def check_virtual(cfg, layers: int, error) -> None:
     v = cfg.vpp
     if v < 1:
         raise error(f"--vpp {v}: model chunks per stage must be >= 1")
-    if {"zbv", "zbv-ec"} & set(cfg.modes) and v != 2:
+    if any(base_mode(m) == "zbv" for m in cfg.modes) and v != 2:
         raise error(f"zbv needs exactly 2 model chunks per stage (the V), got --vpp {v}: give --vpp 2")
     if set(EVERY_CHUNK) & set(cfg.modes) and v == 1:
         raise error(f"{'/'.join(EVERY_CHUNK)} (ours with every-chunk DDP buckets) compare bucket layouts of virtual "

@@ -16,15 +16,16 @@ the first one bucket too (``disable_bucketing``). Under Megatron's interleaved 1
 the first stage's first chunk ends the step. Under our interleaved schedules (``1f1b``, ``zb``,
 ``zbv``) every stage ends at about the same time, with some chunk's last gradients; one bucket
 for that chunk means its whole reduction waits for its last gradient and then runs exposed.
-While such a schedule is installed, a DDP built for a virtual pipeline keeps its configured
+With ``--overlap-pp-buckets every-chunk`` (the default, ``megatron``, keeps Megatron's), while
+such a schedule is installed, a DDP built for a virtual pipeline keeps its configured
 ``bucket_size`` on every stage and for every chunk, and the schedule lets each chunk's buckets
 leave as they fill (``vschedules``). The bytes reduced and gathered are the same; only their
 cut into collectives changes. Kept as Megatron builds it: non-virtual pipelines, DDP without
 ``overlap_grad_reduce`` (one bucket by design), ``--overlap-param-gather-with-optimizer-step``
 (Megatron-LM asks for one bucket there), and megatron-core versions whose DDP takes a
 precomputed parameter layout (0.19+: ``full_param_layout``), where the cut is made before the
-DDP sees it (a notice says so). ``--overlap-pp-buckets megatron`` keeps Megatron's buckets
-(``checkpoint_notice``: the distributed optimizer's default checkpoint format follows them).
+DDP sees it (a notice says so). ``checkpoint_notice``: the distributed optimizer's default
+checkpoint format follows the buckets.
 """
 
 from __future__ import annotations

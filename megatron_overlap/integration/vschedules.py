@@ -208,26 +208,27 @@ class _VRun(_Run):
             self.inst.calls["pp.buckets_streamed"] += 1
         gathered = {0}
         observe = self.inst.pp_observer
+
+        def gather(c):  # chunk c's parameter gathers, once
+            if c < self.v and c not in gathered and config.param_sync_func is not None:
+                _gather_params(config.param_sync_func[c], self.models[c])
+                gathered.add(c)
         for i, action in enumerate(acts):
             if action.op == B and action.mb == m - 1 and config.grad_sync_func is None:
                 sync.enable()  # stock: before the chunk's last backward, and left on
                 sync.synced.add(action.chunk)
             elif action.op == B and action.mb == m - 1 and action.chunk in streams:
                 sync.release(action.chunk)  # its hooks dispatch each bucket as it fills
-            if (action.op == WAIT or action.op == F and action.chunk) and 1 not in gathered and self.v > 1 \
-                    and config.param_sync_func is not None:  # chunk 1's: while this stage waits, or before it needs them
-                _gather_params(config.param_sync_func[1], self.models[1])
-                gathered.add(1)
-            if action.op == F and action.chunk not in gathered and config.param_sync_func is not None:
-                _gather_params(config.param_sync_func[action.chunk], self.models[action.chunk])
-                gathered.add(action.chunk)
+            if action.op == WAIT:
+                gather(1)  # chunk 1's while this stage waits
+            if action.op == F:
+                gather(action.chunk)
             t0 = time.perf_counter()
             self._run(action)
             if observe is not None:
                 observe(self.stage, action, t0, time.perf_counter())
-            if action.op == F and 1 not in gathered and self.v > 1 and config.param_sync_func is not None:
-                _gather_params(config.param_sync_func[1], self.models[1])  # after the step's first forward was issued
-                gathered.add(1)
+            if action.op == F:
+                gather(1)  # after the step's first forward was issued
             if action.chunk in streams and last_grad.get(action.chunk) == i:
                 for group in streams[action.chunk]:  # not dispatched by its hooks (the first step): now, as stock
                     if group.grad_reduce_handle is None:

@@ -1,8 +1,8 @@
 """Virtual pipelines on the emulated cluster (``lab/cluster.py`` with ``vpp`` > 1): each rank
 holds ``v`` model chunks of its stage, as Megatron-LM's ``get_model`` builds them with
-``--num-layers-per-virtual-pipeline-stage``: one Megatron DDP per chunk (stock: bucketing on
-stage 0's first chunk only; ours, built under the install as the flags do, on every stage and
-chunk, ``integration/ddp.py``; the bucket size Megatron's default for the modelled run times
+``--num-layers-per-virtual-pipeline-stage``: one Megatron DDP per chunk (stock and ours: bucketing on
+stage 0's first chunk only; ours is built under the install as the flags do, so ``*-ec``
+buckets every stage and chunk, ``integration/ddp.py``; the bucket size Megatron's default for the modelled run times
 ``bucket_factor``, the same for every schedule), one optimizer over the list, ``no_sync_func`` / ``grad_sync_func`` /
 ``param_sync_func`` one per chunk (Megatron-LM's ``align_grad_reduce`` and, with the
 distributed optimizer, ``align_param_gather``: its defaults), Megatron-LM's P2P settings
@@ -97,7 +97,7 @@ class ChunkReplica:
             grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=cfg.distributed_optimizer,
             overlap_param_gather=cfg.distributed_optimizer, align_param_gather=cfg.distributed_optimizer,
             bucket_size=max(1, int(default_bucket_size(cfg.dp) * cfg.bucket_factor * scale)))
-        with _installed(mode):  # as the flags are before get_model wraps the chunks: ours keeps buckets everywhere
+        with _installed(mode):  # as the flags are before get_model wraps the chunks (*-ec: buckets everywhere)
             self.ddps = [DistributedDataParallel(config, ddp_config, m, disable_bucketing=c > 0)
                          for c, m in enumerate(self.modules)]
         opt = OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, bf16=True, params_dtype=torch.bfloat16,
