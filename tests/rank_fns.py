@@ -576,6 +576,33 @@ def link_paths(overlap_grad_reduce: bool) -> dict:
         out["large_recv_s"] = done - float(stamps[peer])
         out["large_s"] = link.spec.seconds(large.nbytes)
         out["recv_ok"] = bool(torch.equal(rb, small) and torch.equal(rl, large))
+        # a free communicator (the emulated cluster's "DP free"): counted, not run, done at once;
+        # plain, asynchronous and coalesced (both modes); the other group's collective runs
+        link.spec = LinkSpec(bandwidth_GBps=1e-4, latency_us=0.0)  # 10 s per MiB: a run op would show
+        link.free_channels = (link._channel(a),)
+        mine = torch.full((1 << 18,), float(dist.get_rank() + 1))
+        link.reset()
+        t0 = time.perf_counter()
+        dist.all_reduce(mine, group=a)
+        dist.all_reduce(mine, group=a, async_op=True).wait()
+        for async_ops in (False, True):
+            with dist._coalescing_manager(group=a, async_ops=async_ops) as cm:
+                dist.all_reduce(mine, group=a, async_op=async_ops)
+                dist.reduce_scatter_tensor(mine[: mine.numel() // 2], mine, group=a, async_op=async_ops)
+            if async_ops:
+                cm.wait()
+        out["free_s"] = time.perf_counter() - t0
+        out["free_untouched"] = bool(torch.all(mine == dist.get_rank() + 1))
+        stats = link.reset()
+        out["free_counted"] = (stats.calls_by_op["all_reduce"], stats.calls_by_op["reduce_scatter_tensor"],
+                               stats.total_bytes)
+        out["free_expected_bytes"] = 4 * mine.nbytes + 2 * (mine.nbytes // 2)  # a ring over two ranks
+        out["rank"] = dist.get_rank()
+        link.spec = LinkSpec(bandwidth_GBps=1e6, latency_us=0.0)
+        other = torch.full((4,), float(dist.get_rank() + 1))
+        dist.all_reduce(other, group=b)
+        out["other_reduced"] = other.tolist()
+        link.free_channels = ()
     return out
 
 

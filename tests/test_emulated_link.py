@@ -56,3 +56,9 @@ def test_every_path_is_delayed_and_counted_once(pool4):
             assert r["names"]["reduce_scatter_tensor"][1] + r["names"]["reduce_scatter_single"][1] == r["expected_scatter_bytes"]
             assert sum(calls for calls, _ in r["names"].values()) == 4, r["names"]  # one count per call, no alias twice
             assert r["large_recv_s"] >= 0.99 * r["large_s"] and r["recv_ok"], r
+            # a free communicator carries nothing: no real op (the tensor keeps this rank's
+            # values), no wait, every call and byte still counted; another group's op runs
+            assert r["free_untouched"] and r["free_s"] < 1.0, r
+            assert r["free_counted"] == (4, 2, r["free_expected_bytes"]), r
+            peer_value = (r["rank"] ^ 1) + 1
+            assert r["other_reduced"] == [float(r["rank"] + 1 + peer_value)] * 4, r

@@ -11,8 +11,8 @@ with its bandwidth times ``scale``. The real executor, Megatron's 1F1B, DDP
 run; what is measured is time, emulated (the losses are those of the blocks' cheap math).
 
 Per schedule, medians over the rounds (each round: every schedule once, order alternating;
-with ``--exposed`` each step also with the data-parallel traffic free and with every
-transfer free):
+with ``--exposed`` each step also with the data-parallel traffic free, its collectives counted
+and not run, and with every transfer free):
 
     step ms         the slowest rank's schedule call (Megatron's forward_backward_func, which
                     waits for the gradient reduction); the optimizer step (real CPU Adam on the
@@ -20,8 +20,8 @@ transfer free):
     bubble          mean over ranks of 1 - emulated compute / step
     exposed P2P     the step with DP free - the step with everything free
     exposed DP      the step - the step with DP free: the gradient reduce-scatter and the
-                    parameter all-gather left on the critical path (medians over the rounds,
-                    their difference)
+                    parameter all-gather left on the critical path (each a median of the
+                    rounds' differences)
     peak act GB     micro-batches held at the peak (counted as the blocks run) x the cost
                     model's activations of one micro-batch on a stage (Korthikanti, flash)
     CPU             the busiest rank's CPU time per step, and its share of the step
@@ -230,10 +230,9 @@ def summarize(cfg: ClusterConfig, rounds: list, described: list, floor_time_s: f
              "bytes": max(x[mode]["link"]["bytes"] for x in rounds[-1])}
         r["cpu_share"] = r["cpu_ms"] / r["step_ms"]
         r["peak_activation_gb"] = r["peak_microbatches"] * costs.activation_bytes / 1e9
-        if "dp free" in variants:  # differences of medians: one stalled round in a variant moves neither
-            dp_free = statistics.median(step(pr, mode, "dp free") for pr in rounds)
-            r["dp_exposed_ms"] = r["step_ms"] - dp_free
-            r["p2p_exposed_ms"] = dp_free - statistics.median(step(pr, mode, "free") for pr in rounds)
+        if "dp free" in variants:  # medians of each round's differences: a stalled step moves one of them
+            r["dp_exposed_ms"] = statistics.median(step(pr, mode) - step(pr, mode, "dp free") for pr in rounds)
+            r["p2p_exposed_ms"] = statistics.median(step(pr, mode, "dp free") - step(pr, mode, "free") for pr in rounds)
         p = pred["modes"][mode]
         r.update(predicted_step_ms=p["step_ms"], predicted_dp_exposed_ms=p["dp_exposed_ms"],
                  predicted_p2p_exposed_ms=p["p2p_exposed_ms"], predicted_bubble=p["bubble"],

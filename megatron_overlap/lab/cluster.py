@@ -15,8 +15,10 @@ ranks), bandwidth times ``scale`` so each transfer takes its modelled time.
 
 Each schedule trains its own copy of the model from the same start (one DDP and optimizer per
 schedule), one step each per round, order alternating; optionally each step is repeated with
-the data-parallel traffic free and with every transfer free, so the exposed P2P and DP times
-are differences of steps, as the simulator computes them. Times, not numerics: the losses are
+the data-parallel traffic free (its collectives counted and not run: no real gloo op either)
+and with every transfer free, so the exposed P2P and DP times are differences of steps, as
+the simulator computes them. Those repeats train on unreduced gradients and partly gathered
+parameters: the same for every schedule, so the losses stay comparable across schedules. Times, not numerics: the losses are
 those of the cheap math the emulated blocks compute (equal across schedules when the
 schedules compute the same thing).
 """
@@ -374,9 +376,9 @@ class ClusterRanks:
         elif variant == "dp free":
             self.link.spec = self.spec
             self.link.free_channels = self.dp_channels
-        else:
+        else:  # the DP collectives not run here either: the two variants differ by the P2P link alone
             self.link.spec = self.free_spec
-            self.link.free_channels = ()
+            self.link.free_channels = self.dp_channels
 
     def round(self, index: int, record: bool = False) -> dict:
         modes = list(self.cfg.modes)

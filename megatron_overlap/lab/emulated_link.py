@@ -25,6 +25,11 @@ egress port is free to start it, and waiting for it costs no CPU (the waiting th
   bytes, one booking): torch 2.13's coalesced gloo all-gathers, dozens outstanding at once (Megatron's
   ``align_param_gather`` dispatches every bucket's at the step's start) beside P2P on another group,
   corrupt the heap (``scripts/gloo_coalesced_crash.py``);
+- a communicator listed in ``free_channels`` is free: its collectives are counted and not run
+  (no real op, a work that is already done), as if the traffic cost nothing, on the host
+  too. The emulated cluster's "DP free" variants use it; waiting there for real gloo
+  reductions instead put their CPU time (tens of ms on a busy 2-core machine) into the
+  step that was meant to have no data-parallel cost;
 - torch's two names of a collective (``all_gather_into_tensor`` calls ``all_gather_single``,
   ``reduce_scatter_tensor`` calls ``reduce_scatter_single``) count once: an alias calling the
   other passes through.
@@ -81,9 +86,11 @@ _REBIND_PREFIXES = ("megatron", "megatron_overlap")
 
 class _Batch(list):
     """The collectives of one open coalescing block, ``(op, bytes, messages)``; ``cm``: where
-    they run as separate ops (gloo, asynchronous), else None."""
+    they run as separate ops (gloo, asynchronous), else None; ``free``: on a free communicator
+    (counted, not run)."""
 
     cm = None
+    free = False
 
 
 class EmulatedLink:
@@ -124,7 +131,7 @@ class EmulatedLink:
         transfer is among (its tier; default: the group's)."""
         now = time.perf_counter()
         spec = self.spec
-        if self.free_channels and self._channel(group) in self.free_channels:
+        if self.is_free(group):
             for name, counted in ops or [(op, nbytes)]:  # counted, not delayed: a free communicator
                 self.stats.bytes_by_op[name] += counted
                 self.stats.calls_by_op[name] += 1
@@ -145,6 +152,10 @@ class EmulatedLink:
         if self.record_spans:
             stats.spans.append(Span(op, nbytes, now, start, done))
         return done
+
+    def is_free(self, group) -> bool:
+        """Whether ``group``'s collectives are free (``free_channels``: counted, not run)."""
+        return bool(self.free_channels) and self._channel(group) in self.free_channels
 
     def _reserve_batch(self, batch: list, group=None) -> float:
         """One port booking for a coalesced batch of ``(op, bytes, messages)``; each op's bytes
@@ -215,6 +226,8 @@ class EmulatedLink:
             if batch is not None:  # torch only records it; the coalesced op runs at the block's end
                 if nbytes:
                     batch.append((name, nbytes, messages))
+                if batch.free:
+                    return None
                 if batch.cm is not None:  # gloo, asynchronous: a separate op (module docstring)
                     bound.arguments["async_op"] = True
                 link._local.inside = True
@@ -228,6 +241,9 @@ class EmulatedLink:
                 return None
             group = bound.arguments.get("group")
             deadline = link._reserve(name, nbytes, messages, group=group) if nbytes else time.perf_counter()
+            if link.is_free(group):  # counted by _reserve, not run
+                work = _EmuWork(link, None, deadline, name)
+                return work if async_op else None
             bound.arguments["async_op"] = True
             link._local.inside = True
             try:
@@ -256,7 +272,8 @@ class EmulatedLink:
                 stack = link._local.coalescing = []
             stack.append((owner, batch))
             deadline = None
-            separate = async_ops and dist.get_backend(owner) == "gloo"
+            batch.free = link.is_free(owner)
+            separate = batch.free or (async_ops and dist.get_backend(owner) == "gloo")
             try:
                 with contextlib.nullcontext(c10d._CoalescingManager()) if separate else \
                         original(group, device, async_ops) as cm:

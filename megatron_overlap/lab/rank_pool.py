@@ -15,11 +15,13 @@ the next ``run``, so one failing test cannot poison the next.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Optional
 
 import torch.multiprocessing as mp
@@ -105,17 +107,38 @@ def no_bar_thread() -> None:
 
 def _fork_is_safe() -> bool:
     """Fork (the ranks inherit this process's imports: Megatron's take ~8 s per spawned rank)
-    only from a process with one thread and no process group of its own, such as a command-line
-    run before its first collective; spawn otherwise (a fork copies no other thread, so a lock
-    one of them held would never be released in the child)."""
+    only from a process with no Python thread but the main one and no process group of its
+    own, such as a command-line run before its first collective; spawn otherwise (a fork copies
+    no other thread, so a lock one of them held, the interpreter's included, would never be
+    released in the child). Native thread pools do not count: numpy's OpenBLAS starts one at
+    import unless ``OMP_NUM_THREADS`` / ``OPENBLAS_NUM_THREADS`` is 1, and it, like torch's
+    OpenMP pool, shuts down or re-initialises across a fork by its own ``pthread_atfork``
+    handlers (what a fork-started DataLoader worker relies on). Counting them made every
+    command-line run without those variables spawn its ranks."""
+    import threading
+
     import torch.distributed as dist
 
     if not hasattr(os, "fork") or dist.is_initialized():
         return False
+    return threading.active_count() == 1
+
+
+@contextlib.contextmanager
+def _spawn_env(threads: int):
+    """The thread limits a spawned rank needs before it imports numpy and torch (its
+    ``_worker`` runs after those imports), set for the processes started in the block."""
+    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update({name: str(threads) for name in names})
     try:
-        return len(os.listdir("/proc/self/task")) == 1
-    except OSError:
-        return False
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class RankPool:
@@ -138,9 +161,18 @@ class RankPool:
         self._start()
 
     def _start(self):
-        ctx = mp.get_context("fork" if _fork_is_safe() else "spawn")
+        fork = _fork_is_safe()
+        ctx = mp.get_context("fork" if fork else "spawn")
         port = _free_port()
         self._procs, self._conns = [], []
+        with warnings.catch_warnings(), (contextlib.nullcontext() if fork else _spawn_env(self.threads_per_rank)):
+            # Python >= 3.12 warns of any native thread at a fork (_fork_is_safe says why these are safe)
+            warnings.filterwarnings("ignore", message=".*multi-threaded, use of fork.*", category=DeprecationWarning)
+            self._start_ranks(ctx, port)
+        self._collect(timeout=self.timeout, what="start")
+        self._healthy = True
+
+    def _start_ranks(self, ctx, port: int) -> None:
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
@@ -152,8 +184,6 @@ class RankPool:
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        self._collect(timeout=self.timeout, what="start")
-        self._healthy = True
 
     def _collect(self, timeout: float, what: str) -> list:
         """Gather one answer per rank. Once a rank has failed, the others get a short grace
