@@ -17,8 +17,8 @@ Each schedule trains its own copy of the model from the same start (one DDP and 
 schedule), one step each per round, order alternating; optionally each step is repeated with
 the data-parallel traffic free (its collectives counted and not run: no real gloo op either)
 and with every transfer free, so the exposed P2P and DP times are differences of steps, as
-the simulator computes them. Those repeats train on unreduced gradients and partly gathered
-parameters: the same for every schedule, so the losses stay comparable across schedules. Times, not numerics: the losses are
+the simulator computes them. Those repeats compute on unreduced gradients and partly gathered
+parameters and take no optimizer step: the model trains on the modelled link's steps alone. Times, not numerics: the losses are
 those of the cheap math the emulated blocks compute (equal across schedules when the
 schedules compute the same thing).
 """
@@ -306,7 +306,11 @@ class ClusterRanks:
             inst.pp_times = self.placement
         return inst
 
-    def _step(self, mode: str, step: int, record: bool = False) -> dict:
+    def _step(self, mode: str, step: int, record: bool = False, train: bool = True) -> dict:
+        """One step of ``mode``'s replica; ``train``: then its optimizer step (a variant with a
+        free communicator computed on unreduced gradients and partly gathered parameters, so
+        it does not train: the model's state is the link steps' alone, the same math in every
+        placement)."""
         from megatron.core import pipeline_parallel
 
         import megatron_overlap
@@ -348,8 +352,9 @@ class ClusterRanks:
                 micro_batch_size=self.shape.micro_batch, forward_only=False)
         self.clock.sync()
         t_sched = time.perf_counter()
-        with self.devices:  # Megatron's optimizer makes its scalars on "cuda"
-            rep.optimizer.step()
+        if train:
+            with self.devices:  # Megatron's optimizer makes its scalars on "cuda"
+                rep.optimizer.step()
         self.clock.sync()
         t1, c1 = time.perf_counter(), time.thread_time()
         stats = self.link.reset()
@@ -389,7 +394,8 @@ class ClusterRanks:
             out[mode] = {}
             for variant in variants:
                 self._variant(variant)
-                out[mode][variant] = self._step(mode, index, record=record and variant == "link")
+                out[mode][variant] = self._step(mode, index, record=record and variant == "link",
+                                                train=variant == "link")
         self._variant("link")
         return out
 
