@@ -11,8 +11,22 @@ they are); reference counting still frees everything as usual. The plans do not 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """The block run with the cyclic collector off, turned back on after it only if it was on."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def gc_paused(fn):
@@ -20,12 +34,7 @@ def gc_paused(fn):
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if not gc.isenabled():
+        with collector_paused():
             return fn(*args, **kwargs)
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.enable()
 
     return run

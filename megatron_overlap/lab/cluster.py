@@ -26,6 +26,7 @@ schedules compute the same thing).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -36,6 +37,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from ..hdp.gcpause import collector_paused
 
 MODES = ("stock", "1f1b", "zb")
 ALL_MODES = MODES + ("1f1b-inflight", "zbv", "1f1b-ec", "zb-ec", "zbv-ec")  # K = 2p - 1; ZB-V; every-chunk: by name
@@ -85,34 +88,14 @@ def modelled(cfg: ClusterConfig):
     from ..tune.strategies import Strategy
 
     if cfg.durations:
-        return _measured(cfg)
+        from .durations import modelled_costs
+
+        return modelled_costs(cfg.durations, cfg.pp, cfg.dp, cfg.seq, cfg.micro_batch, cfg.microbatches,
+                              cfg.distributed_optimizer)
     model, hw = get_model(cfg.model), get_hardware(cfg.hardware)
     run = RunSpec(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, seq=cfg.seq, micro_batch=cfg.micro_batch,
                   micro_batches=cfg.microbatches)
     return stage_costs(model, run, hw, Strategy(cfg.tp_strategy)), run, hw
-
-
-def _measured(cfg: ClusterConfig):
-    """Costs from a durations file measured on this CPU: its F/B/W and parameters per stage,
-    its link for the stage-to-stage transfers and the data-parallel sync alike."""
-    from ..tune.comm import p2p_ms
-    from ..tune.hardware import cpu_emulated_spec
-    from ..tune.models import RunSpec
-    from ..tune.pipeline import DPOptions, PipelineCosts, dp_syncs
-    from . import durations
-
-    doc = durations.read(cfg.durations, cfg.pp)
-    work = durations.stage_work(doc)
-    link = doc["link"]
-    hw = cpu_emulated_spec(1.0, 1.0, link["bandwidth_GBps"], link["latency_us"], dtype_bytes=doc["dtype_bytes"])
-    run = RunSpec(tp=1, pp=cfg.pp, dp=cfg.dp, seq=cfg.seq, micro_batch=cfg.micro_batch, micro_batches=cfg.microbatches)
-    times = durations.stage_times(doc)
-    nbytes = doc["transfer_bytes"]
-    act = doc.get("activation_bytes", nbytes)
-    costs = PipelineCosts(times, p2p_ms(nbytes, hw.inter), 0.0, dp_syncs(work, run, hw, DPOptions(
-        distributed_optimizer=cfg.distributed_optimizer, overlap_param_gather=cfg.distributed_optimizer)), act, work,
-        nbytes)
-    return costs, run, hw
 
 
 def placement(cfg: ClusterConfig, costs) -> tuple:
@@ -277,6 +260,8 @@ class ClusterRanks:
         self.free_spec = LinkSpec(bandwidth_GBps=1e9, latency_us=0.0, ports="group")
         self.dp_channels = tuple({self.link._channel(g) for rep in self.replicas.values() for d in rep.models
                                   for g in _dp_groups(d)})
+        gc.collect()
+        gc.freeze()  # what lives now (Megatron's modules, the replicas) is never walked again
 
     def describe(self) -> dict:
         rep = next(iter(self.replicas.values()))
@@ -343,9 +328,10 @@ class ClusterRanks:
         with _virtual(v):
             schedule = pipeline_parallel.get_forward_backward_func()  # looked up now: the install replaces it
         data_iterator = [iter(batches) for _ in range(v)] if v > 1 else iter(batches)
+        gc.collect()  # between steps, the collector off in them (Megatron-LM's --manual-gc)
         t0 = _common_start()
         c0 = time.thread_time()
-        with _virtual(v):
+        with _virtual(v), collector_paused():
             out = schedule(
                 forward_step_func=forward_step, data_iterator=data_iterator, model=rep.models,
                 num_microbatches=self.cfg.microbatches, seq_length=self.shape.rows,
@@ -404,4 +390,5 @@ class ClusterRanks:
 
         megatron_overlap.uninstall()
         self.link.uninstall()
+        gc.unfreeze()  # the rank process goes on (a test pool's): its collector as it was
         return {}
