@@ -18,9 +18,9 @@ schedule), one step each per round, order alternating; optionally each step is r
 the data-parallel traffic free (its collectives counted and not run: no real gloo op either)
 and with every transfer free, so the exposed P2P and DP times are differences of steps, as
 the simulator computes them. Those repeats compute on unreduced gradients and partly gathered
-parameters and take no optimizer step: the model trains on the modelled link's steps alone. Times, not numerics: the losses are
-those of the cheap math the emulated blocks compute (equal across schedules when the
-schedules compute the same thing).
+parameters and take no optimizer step: the model trains on the modelled link's steps alone.
+Times, not numerics: the losses are those of the cheap math the emulated blocks compute (equal
+across schedules when the schedules compute the same thing).
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ class EmulatedLink:
                 return None
             group = bound.arguments.get("group")
             deadline = link._reserve(name, nbytes, messages, group=group) if nbytes else time.perf_counter()
-            if link.is_free(group):  # counted by _reserve, not run
+            if nbytes and link.is_free(group):  # counted by _reserve, not run (a one-rank copy still runs)
                 work = _EmuWork(link, None, deadline, name)
                 return work if async_op else None
             bound.arguments["async_op"] = True
@@ -272,7 +272,7 @@ class EmulatedLink:
                 stack = link._local.coalescing = []
             stack.append((owner, batch))
             deadline = None
-            batch.free = link.is_free(owner)
+            batch.free = link.is_free(owner) and dist.get_world_size(owner) > 1
             separate = batch.free or (async_ops and dist.get_backend(owner) == "gloo")
             try:
                 with contextlib.nullcontext(c10d._CoalescingManager()) if separate else \
