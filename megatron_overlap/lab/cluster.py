@@ -90,8 +90,7 @@ def modelled(cfg: ClusterConfig):
     if cfg.durations:
         from .durations import modelled_costs
 
-        return modelled_costs(cfg.durations, cfg.pp, cfg.dp, cfg.seq, cfg.micro_batch, cfg.microbatches,
-                              cfg.distributed_optimizer)
+        return modelled_costs(cfg)
     model, hw = get_model(cfg.model), get_hardware(cfg.hardware)
     run = RunSpec(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, seq=cfg.seq, micro_batch=cfg.micro_batch,
                   micro_batches=cfg.microbatches)
@@ -292,10 +291,8 @@ class ClusterRanks:
         return inst
 
     def _step(self, mode: str, step: int, record: bool = False, train: bool = True) -> dict:
-        """One step of ``mode``'s replica; ``train``: then its optimizer step (a variant with a
-        free communicator computed on unreduced gradients and partly gathered parameters, so
-        it does not train: the model's state is the link steps' alone, the same math in every
-        placement)."""
+        """One step of ``mode``'s replica, and its optimizer step when ``train`` (a repeat with
+        the DP traffic free computes on unreduced gradients: it does not train)."""
         from megatron.core import pipeline_parallel
 
         import megatron_overlap

@@ -98,23 +98,24 @@ def stage_times(doc: dict) -> List[StageTimes]:
     return [StageTimes(st["f_ms"], st["b_ms"], st["w_ms"]) for st in doc["stages"]]
 
 
-def modelled_costs(path: str, pp: int, dp: int, seq: int, micro_batch: int, microbatches: int,
-                   distributed_optimizer: bool) -> tuple:
-    """(the stages' costs, run, hardware) of the file at ``path`` for the emulated cluster
-    (``lab/cluster.modelled``): its F/B/W and parameters per stage, its link for the
-    stage-to-stage transfers and the data-parallel sync alike."""
+def modelled_costs(cfg) -> tuple:
+    """(the stages' costs, run, hardware) of the emulated cluster's ``cfg`` (a
+    ``lab.cluster.ClusterConfig``) from its durations file: the file's F/B/W and parameters per
+    stage, its link for the stage-to-stage transfers and the data-parallel sync alike."""
     from ..tune.comm import p2p_ms
     from ..tune.hardware import cpu_emulated_spec
     from ..tune.models import RunSpec
     from ..tune.pipeline import DPOptions, PipelineCosts, dp_syncs
 
-    doc = read(path, pp)
+    doc = read(cfg.durations, cfg.pp)
     work = stage_work(doc)
     link = doc["link"]
     hw = cpu_emulated_spec(1.0, 1.0, link["bandwidth_GBps"], link["latency_us"], dtype_bytes=doc["dtype_bytes"])
-    run = RunSpec(tp=1, pp=pp, dp=dp, seq=seq, micro_batch=micro_batch, micro_batches=microbatches)
+    run = RunSpec(tp=1, pp=cfg.pp, dp=cfg.dp, seq=cfg.seq, micro_batch=cfg.micro_batch,
+                  micro_batches=cfg.microbatches)
     nbytes = doc["transfer_bytes"]
     act = doc.get("activation_bytes", nbytes)
     costs = PipelineCosts(stage_times(doc), p2p_ms(nbytes, hw.inter), 0.0, dp_syncs(work, run, hw, DPOptions(
-        distributed_optimizer=distributed_optimizer, overlap_param_gather=distributed_optimizer)), act, work, nbytes)
+        distributed_optimizer=cfg.distributed_optimizer, overlap_param_gather=cfg.distributed_optimizer)), act, work,
+        nbytes)
     return costs, run, hw
