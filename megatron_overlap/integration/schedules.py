@@ -303,18 +303,29 @@ def _drain_plan(schedule, stage: int) -> tuple:
 def _dispatch_param_gather(model) -> bool:
     """The first parameter bucket's all-gather, dispatched as the step begins (module docstring):
     only where Megatron's DDP would otherwise leave it to the first forward's hook (distributed
-    optimizer with ``overlap_param_gather``, not aligned, not overlapped with the optimizer step)."""
-    if not getattr(model, "use_forward_hook", False):
+    optimizer with ``overlap_param_gather``, not aligned, not overlapped with the optimizer step)
+    and only while those hooks are registered. Megatron-LM's loop removes them for the first
+    iteration, around every evaluation and checkpoint save (``disable_forward_pre_hook``, the
+    parameters then gathered synchronously): a gather dispatched then would have no hook to wait
+    for it, and the next step's dispatch would find it still in flight."""
+    if not getattr(model, "use_forward_hook", False) or not getattr(model, "remove_forward_pre_hook_handles", None):
         return False
     ddp_config = getattr(model, "ddp_config", None)
     if ddp_config is None or getattr(ddp_config, "align_param_gather", False) or \
             getattr(model, "overlap_param_gather_with_optimizer_step", False):
         return False
     groups = getattr(model, "bucket_groups", None)
-    if groups and not groups[-1].param_gather_dispatched:
-        groups[-1].start_param_sync()
-        return True
-    return False
+    if not groups or groups[-1].param_gather_dispatched:
+        return False
+    if getattr(groups[-1], "param_gather_handle", None) is not None:
+        raise RuntimeError(render(
+            "megatron-overlap `pp.mode`: the distributed optimizer's parameter all-gather of the first layers is "
+            "still in flight from an earlier step that no forward pre-hook waited for (Megatron DDP's state is not "
+            "what the schedule expects: hooks switched off and on outside Megatron-LM's loop?). Re-enable the "
+            "hooks with `model.enable_forward_pre_hook()` only after the gathers finished, or drop "
+            "`megatron.overlap_param_gather`, or run Megatron's own schedule (`pp.mode` off)"))
+    groups[-1].start_param_sync()
+    return True
 
 
 def _timed_out(exc: BaseException) -> bool:
