@@ -1,11 +1,9 @@
 """Megatron-LM's own ``pretrain_gpt.py`` (issue: training-loop), stock against the plugin,
 with gloo on this CPU: a tiny GPT (2 layers, hidden 128, seq 128, mock
-data), 5 iterations, the losses Megatron computes read exactly (``train_step``'s reduced
-values, not the log line), and the plugin's patched calls counted, so a run where the patch did
+data), 5 iterations, the losses Megatron logs read exactly on the rank it prints from
+(``training_log``'s reduced values, not the log line), and the plugin's patched calls counted, so a run where the patch did
 not take over fails. The ranks of each training are forked from one process that imported
-Megatron-LM once (``lab/fork_launcher.py``: what torchrun sets, without the import per rank);
-the refusal test goes through torchrun itself. The Megatron-LM tree comes from ``MEGATRON_LM_DIR`` (default: the shared
-core_v0.16.1 copy); the CPU shims of its training loop are ``lab/megatron_lm_cpu.py``.
+Megatron-LM once (``tests/pretrain_gpt_runs.py``); the refusal test goes through torchrun itself.
 
 Tolerances: TP overlap and the pipeline schedules run the same ops on the same tensors in the
 same order at TP = 2 (bit-identical, ``==``); context parallelism against one rank merges the
@@ -14,75 +12,16 @@ HDP against plain data parallelism over the same packed documents: the same mean
 token of a step, summed in another order (per document and ring instead of per sample row):
 rel. 1e-5."""
 
-import atexit
-import functools
-import glob
-import json
 import os
-import socket
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TREE = os.environ.get("MEGATRON_LM_DIR",
-                      os.path.join(ROOT, "..", "shared", "third_party", "megatron-lm", "core_v0.16.1"))
-SCRIPT = os.path.join(TREE, "pretrain_gpt.py")
-pytestmark = pytest.mark.skipif(
-    not os.path.isfile(SCRIPT),
-    reason=f"no Megatron-LM training loop at {TREE} (set MEGATRON_LM_DIR to a Megatron-LM checkout)")
+from .pretrain_gpt_runs import (BASE, CPU_INIT, NO_DROPOUT, PP2, ROOT, SCRIPT, TP2, VPP2, needs_megatron_lm,
+                                     packed as _packed, port as _port, train, with_evaluation as _with_evaluation)
 
-BASE = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
-        "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--train-iters", "5", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "1024", "--transformer-impl", "local", "--eval-iters", "0", "--eval-interval", "1000",
-        "--clip-grad", "0", "--distributed-backend", "gloo", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-        "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--log-interval", "1", "--seed", "1234"]
-TP2 = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
-NO_DROPOUT = ("--attention-dropout", "0", "--hidden-dropout", "0")
-PP2 = ("--pipeline-model-parallel-size", "2", "--global-batch-size", "8")  # 4 micro-batches
-CPU_INIT = ("--use-cpu-initialization",)  # the same initial weights at every TP size
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@functools.lru_cache(maxsize=None)
-def _launcher():
-    """One zygote per test session: Megatron-LM imported once, the ranks of every training below
-    forked from it (``lab/fork_launcher.py``); ``test_plugin_refuses_...`` still goes through
-    torchrun."""
-    from megatron_overlap.lab.fork_launcher import ForkLauncher
-
-    launcher = ForkLauncher(TREE, env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""))
-    atexit.register(launcher.close)
-    return launcher
-
-
-@functools.lru_cache(maxsize=None)
-def train(mode: str, ranks: int, flags: tuple) -> dict:
-    """One launch of pretrain_gpt.py: the last stage's losses and the calls summed over ranks."""
-    out = os.path.join(os.environ.get("PYTEST_TMP", "/tmp"), f"pretrain_gpt_{os.getpid()}_{abs(hash((mode, ranks, flags)))}")
-    argv = [out, mode, SCRIPT, *(a for a in BASE if not (a == "--mock-data" and "--data-path" in flags)), *flags]
-    rc, stdout, stderr = _launcher().run(ranks, argv, timeout=600)
-    assert rc == 0, stderr[-4000:]
-    losses, calls, redrawn = [], {}, []
-    for path in sorted(glob.glob(out + ".rank*")):
-        with open(path) as f:
-            r = json.load(f)
-        os.remove(path)
-        if any(r["losses"]):
-            losses = [step["lm loss"] for step in r["losses"]]
-        for k, v in r["calls"].items():
-            calls[k] = calls.get(k, 0) + v
-        redrawn += r.get("redrawn", [])
-    assert len(losses) == 5, (losses, stdout[-2000:])
-    return {"losses": losses, "calls": calls, "redrawn": sorted(redrawn)}
+pytestmark = needs_megatron_lm
 
 
 @pytest.mark.parametrize("flags, calls", [
@@ -138,10 +77,6 @@ def test_pipeline_schedules_train_like_megatrons_1f1b(mode):
     assert ours["losses"] == stock["losses"]
 
 
-VPP2 = ("--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
-        "--num-layers-per-virtual-pipeline-stage", "1")  # PP=2 x VPP=2, 4 micro-batches
-
-
 @pytest.mark.parametrize("mode", ["1f1b", "zb"])
 def test_virtual_pipeline_schedules_train_like_megatrons_interleaved_1f1b(mode):
     """PP=2 x VPP=2 through the real script (issue 23): Megatron-LM turns on its overlapped P2P
@@ -163,13 +98,25 @@ def test_zbv_trains_like_megatrons_interleaved_1f1b_through_the_real_script():
     by its stage and the V puts layers 2-3 on the other stage, so both runs draw every weight
     again from its global layer number (``--lab-init-by-layer``, the CPU shim); dropout off (its
     RNG is seeded by stage too). The same ops on the same tensors in the same order per layer,
-    the loss on another rank: the losses are bit-identical."""
-    same = VPP2 + NO_DROPOUT + ("--untie-embeddings-and-output-weights", "--lab-init-by-layer")
+    the loss on another rank: the losses are bit-identical.
+
+    The loss is computed on stage 0 and Megatron prints (and writes TensorBoard/W&B) from the
+    last rank: the training and validation losses must reach that rank's log as stock's do, and
+    under ``--calculate-per-token-loss`` the gradients are divided by the token count that
+    Megatron broadcasts from the last stage (stage 0 counted them)."""
+    same = VPP2 + NO_DROPOUT + ("--untie-embeddings-and-output-weights", "--lab-init-by-layer",
+                                "--calculate-per-token-loss", "--eval-iters", "1", "--eval-interval", "2")
     stock = train("stock", 2, same)
     ours = train("plugin", 2, same + ("--overlap-pp", "zbv"))
-    assert ours["calls"].get("pp.zbv.interleaved", 0) == 2 * 5 and ours["calls"].get("pp.zbv.offset", 0) > 0, ours
+    assert ours["calls"].get("pp.zbv.offset", 0) > 0, ours["calls"]
+    # 5 steps; evaluations after steps 2 and 4, and the validation and test sets at the end
+    assert ours["calls"].get("pp.zbv.loss_sent") == 5 + 4, ours["calls"]
+    assert ours["calls"].get("pp.zbv.interleaved") == 2 * (5 + 4), ours["calls"]
     assert ours["losses"][-1] < ours["losses"][0] - 0.2, ours["losses"]  # it trains
     assert ours["losses"] == stock["losses"]
+    # the log line on the last rank: every iteration's training loss, and the evaluations'
+    assert sorted(ours["log_losses"]) == [1, 2, 3, 4, 5] and ours["log_losses"] == stock["log_losses"]
+    assert sorted(ours["val_losses"]) == [2, 4, 5] and ours["val_losses"] == stock["val_losses"], ours["val_losses"]
     # the shim drew every weight matrix again, under the same global names in both layouts
     # (4 layers x qkv, proj, fc1, fc2; the word and position embeddings; the output layer)
     assert stock["redrawn"] == ours["redrawn"] and len(stock["redrawn"]) == 4 * 4 + 3, stock["redrawn"]
@@ -186,49 +133,6 @@ def test_plugin_refuses_megatrons_own_cp_path_clearly():
     assert done.returncode != 0
     assert "--attention-dropout: context-parallel attention (--overlap-cp) runs without attention dropout" \
         in done.stderr
-
-
-@functools.lru_cache(maxsize=None)
-def documents_dataset() -> str:
-    """A Megatron indexed dataset (megatron-core's own ``IndexedDatasetBuilder``) of 300 documents
-    of mixed lengths (5 to 401 tokens, long-tailed), each ending in the end-of-document token
-    1023 (``_EOD``); returns its path prefix."""
-    import numpy
-    import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    prefix = os.path.join(tempfile.mkdtemp(prefix="hdp_docs_"), "docs")
-    rng = numpy.random.default_rng(7)
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
-    for _ in range(300):
-        n = int(min(400, 4 + rng.pareto(1.2) * 30))
-        builder.add_document(torch.from_numpy(numpy.append(rng.integers(0, 1023, n), 1023).astype(numpy.int32)),
-                             [n + 1])
-    builder.finalize(prefix + ".idx")
-    return prefix
-
-
-def _eod_flags() -> tuple:
-    """The NullTokenizer's end-of-document id, pinned to 1023: core_v0.16's is ``--vocab-size``
-    itself, 0.19's is ``--vocab-size - 1`` or ``--null-tokenizer-eod-id``."""
-    config = os.path.join(TREE, "megatron", "training", "config", "training_config.py")
-    if os.path.isfile(config) and "null_tokenizer_eod_id" in open(config).read():
-        return ("--null-tokenizer-eod-id", "1023")
-    return ("--vocab-size", "1023")
-
-
-def _packed(*flags) -> tuple:
-    prefix = documents_dataset()
-    return (*NO_DROPOUT, *_eod_flags(), "--data-path", prefix, "--split", "100,0,0", "--data-cache-path",
-            os.path.dirname(prefix), "--reset-position-ids", "--reset-attention-mask", "--calculate-per-token-loss",
-            "--position-embedding-type", "learned_absolute", "--global-batch-size", "8", *flags)
-
-
-def _with_evaluation(flags: tuple) -> tuple:
-    """A validation split (80/20) and one evaluation iteration every 2 steps."""
-    flags = list(flags)
-    flags[flags.index("--split") + 1] = "80,20,0"
-    return (*flags, "--eval-iters", "1", "--eval-interval", "2")
 
 
 def test_hdp_trains_packed_documents_like_data_parallelism():

@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 import sys
 
+import torch
+
 from ..errors import OverlapConfigError
 
 PATCHED_VERSIONS = ((0, 16),)
@@ -100,7 +102,60 @@ def patch(inst) -> None:
     for original, ours in ((original_offset, get_transformer_layer_offset), (original_last, is_pipeline_last_stage),
                            (original_pp_last, is_pp_last_stage)):
         _rebind(inst, original, ours)
+    _report_losses_on_the_last_stage(inst, parallel_state)
     inst.notice_once("pp-zbv", "pipeline placement: ZB-V (stage s holds virtual stages s and 2p-1-s)")
+
+
+def _report_losses_on_the_last_stage(inst, parallel_state) -> None:
+    """Megatron-LM reduces the loss where ``is_pipeline_last_stage`` says (stage 0 under the V,
+    where the loss is computed) but prints it, and writes TensorBoard/W&B, from the last rank
+    (``print_rank_last``, ``is_last_rank``), which is on the last stage. ``train_step`` and
+    ``evaluate`` are wrapped (where ``train()`` looks them up) so that stage 0's reduced losses
+    are sent to the last stage of its pipeline, which returns them as its own, as in stock's
+    placement. Without Megatron-LM's training loop (megatron-core only) the user's loop reads
+    the losses on stage 0; one notice says so."""
+    try:
+        from megatron.training import training
+    except ImportError:
+        inst.notice_once("pp-zbv-loss", "`pp.mode` zbv computes the loss on pipeline stage 0 (the V's end): read it "
+                         "there, not on the last stage")
+        return
+    import torch.distributed as dist
+
+    def relocate(losses):
+        """``losses`` on stage 0 (a dict of tensors, or None) -> the same on the last stage."""
+        if parallel_state.get_virtual_pipeline_model_parallel_world_size() != 2:
+            return losses
+        group = parallel_state.get_pipeline_model_parallel_group()
+        stage, p = group.rank(), group.size()
+        if p < 2 or stage not in (0, p - 1):
+            return losses
+        if stage == 0:
+            payload = [{k: v.detach().cpu() for k, v in (losses or {}).items()}]
+            dist.send_object_list(payload, dst=dist.get_global_rank(group, p - 1), group=group)
+            inst.calls["pp.zbv.loss_sent"] += 1
+            return losses
+        payload = [None]
+        dist.recv_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        return {k: v.to(device) if device is not None else v for k, v in payload[0].items()}
+
+    original_step, original_eval = training.__dict__["train_step"], training.__dict__["evaluate"]
+
+    @functools.wraps(original_step)
+    def train_step(*args, **kwargs):
+        out = original_step(*args, **kwargs)
+        return (relocate(out[0]), *out[1:])
+
+    @functools.wraps(original_eval)
+    def evaluate(*args, **kwargs):
+        out = original_eval(*args, **kwargs)
+        if out[0] is None:  # the time limit ended the evaluation on every rank
+            return out
+        return (relocate(out[0]), *out[1:])
+
+    inst.set_attr(training, "train_step", train_step)
+    inst.set_attr(training, "evaluate", evaluate)
 
 
 def _rebind(inst, original, ours) -> None:

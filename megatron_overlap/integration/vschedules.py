@@ -147,6 +147,7 @@ class _VRun(_Run):
         self.drain, self.last_b, self.trailing_w = "", None, frozenset()
         vs = self.schedule.virtual_stages
         self.loss_chunk = vs[-1][1] if vs[-1][0] == self.stage else None  # the model's last layer is here
+        self.loss_stage = vs[-1][0]  # ZB-V: stage 0, not the last stage
         self.last = self.loss_chunk is not None
         self.handover = {}  # chunk -> the chunk of this stage its output goes to (ZB-V's turn)
         for j in range(len(vs) - 1):
@@ -244,6 +245,11 @@ class _VRun(_Run):
         from .schedules import _default_collection
 
         config = self.config
+        if config.calculate_per_token_loss and self.loss_stage != self.p - 1:
+            # Megatron's finalize_model_grads broadcasts the token count from the last stage,
+            # where the loss is in its placement; ZB-V's loss (and so its count) is on stage 0,
+            # the other stages counted 0: their sum is stage 0's count, on every stage.
+            dist.all_reduce(self.total_tokens, group=self.pp_group)
         try:
             config.finalize_model_grads_func(
                 self.models, self.total_tokens if config.calculate_per_token_loss else None,
