@@ -64,6 +64,17 @@ class ForkLauncher:
         the ranks' streams one after the other; rc: the first non-zero exit, 124 on timeout."""
         return self._request({"ranks": ranks, "argv": list(argv), "timeout": timeout, "port": port})
 
+    def run_many(self, launches: List[Tuple[int, List[str]]], timeout: float = 600.0,
+                 grace: float = 30.0) -> List[dict]:
+        """Several launches at once (``(ranks, argv)`` each, each on a port of its own): for
+        launches that mostly wait (a frozen peer's timeout). Per launch: ``rc``, ``stdout``,
+        ``stderr`` and ``exits``, each rank's ``(exit code, time.time() at its exit)``; ``grace``:
+        how long the other ranks of a launch may run on after one failed (then killed, 124)."""
+        self.proc.stdin.write(json.dumps({"many": [{"ranks": r, "argv": list(a), "timeout": timeout, "grace": grace}
+                                                   for r, a in launches]}) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout + 120)["many"]
+
     def run_cli(self, argv: List[str], cwd: str, timeout: float = 600.0) -> Tuple[int, str, str]:
         """``megatron-overlap ARGV`` in ``cwd``, in one forked process; (rc, stdout, stderr)."""
         return self._request({"ranks": 1, "argv": list(argv), "timeout": timeout, "cli": True, "cwd": cwd})
@@ -84,53 +95,72 @@ class ForkLauncher:
                 self.proc.wait()
 
 
-def _launch(request: dict) -> dict:
-    ranks, argv, timeout = request["ranks"], request["argv"], request["timeout"]
-    from .rank_pool import _free_port
+class _Launch:
+    """One launch's ranks, forked; ``poll`` reaps them."""
 
-    port = request.get("port") or _free_port()
-    logs = tempfile.mkdtemp(prefix="fork_launch_")
-    children = []
-    for rank in range(ranks):
-        pid = os.fork()
-        if pid == 0:
-            _rank_main(rank, ranks, port, argv, logs, request)  # never returns
-        children.append(pid)
-    deadline = time.monotonic() + timeout
-    codes = {}
-    while len(codes) < len(children):
-        for pid in children:
-            if pid in codes:
+    def __init__(self, request: dict):
+        from .rank_pool import _free_port
+
+        self.ranks, argv = request["ranks"], request["argv"]
+        port = request.get("port") or _free_port()
+        self.logs = tempfile.mkdtemp(prefix="fork_launch_")
+        self.children = []
+        for rank in range(self.ranks):
+            pid = os.fork()
+            if pid == 0:
+                _rank_main(rank, self.ranks, port, argv, self.logs, request)  # never returns
+            self.children.append(pid)
+        self.deadline = time.monotonic() + request["timeout"]
+        self.grace = request.get("grace", 30.0)  # after a rank failed, the others' time to end
+        self.codes, self.exits = {}, {}
+
+    def poll(self) -> bool:
+        """Reap what exited; True once every rank has."""
+        for pid in self.children:
+            if pid in self.codes:
                 continue
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                codes[pid] = os.waitstatus_to_exitcode(status)
-                if codes[pid] != 0:  # as torchrun: one rank failing ends the launch
-                    deadline = min(deadline, time.monotonic() + 30)
-        if time.monotonic() > deadline:
-            for pid in children:
-                if pid not in codes:
+                self.codes[pid], self.exits[pid] = os.waitstatus_to_exitcode(status), time.time()
+                if self.codes[pid] != 0:  # as torchrun: one rank failing ends the launch
+                    self.deadline = min(self.deadline, time.monotonic() + self.grace)
+        if len(self.codes) < len(self.children) and time.monotonic() > self.deadline:
+            for pid in self.children:
+                if pid not in self.codes:
                     try:  # the rank and what it started (its rank pool): its own process group
                         os.killpg(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
                     os.waitpid(pid, 0)
-                    codes[pid] = 124
-            break
+                    self.codes[pid], self.exits[pid] = 124, time.time()
+        return len(self.codes) == len(self.children)
+
+    def result(self) -> dict:
+        rc = next((self.codes[pid] for pid in self.children if self.codes[pid] != 0), 0)
+        streams = {}
+        for name in ("stdout", "stderr"):
+            parts = []
+            for rank in range(self.ranks):
+                path = os.path.join(self.logs, f"{name}.{rank}")
+                if os.path.exists(path):
+                    with open(path, errors="replace") as f:
+                        parts.append(f.read())
+                    os.remove(path)
+            streams[name] = "".join(parts)[-200_000:]
+        os.rmdir(self.logs)
+        return {"rc": rc, **streams, "exits": [(self.codes[pid], self.exits[pid]) for pid in self.children]}
+
+
+def _launch(request: dict) -> dict:
+    if "many" in request:
+        launches = [_Launch(r) for r in request["many"]]
+        while not all([launch.poll() for launch in launches]):
+            time.sleep(0.05)
+        return {"many": [launch.result() for launch in launches]}
+    launch = _Launch(request)
+    while not launch.poll():
         time.sleep(0.05)
-    rc = next((codes[pid] for pid in children if codes[pid] != 0), 0)
-    streams = {}
-    for name in ("stdout", "stderr"):
-        parts = []
-        for rank in range(ranks):
-            path = os.path.join(logs, f"{name}.{rank}")
-            if os.path.exists(path):
-                with open(path, errors="replace") as f:
-                    parts.append(f.read())
-                os.remove(path)
-        streams[name] = "".join(parts)[-200_000:]
-    os.rmdir(logs)
-    return {"rc": rc, **streams}
+    return launch.result()
 
 
 def _rank_main(rank: int, ranks: int, port: int, argv: List[str], logs: str, request: dict) -> None:

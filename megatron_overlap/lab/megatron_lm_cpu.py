@@ -2,11 +2,13 @@
 
     torchrun --nproc-per-node 2 -m megatron_overlap.lab.megatron_lm_cpu LOSSES.json {stock,plugin} \\
         path/to/pretrain_gpt.py <Megatron-LM arguments> [<overlap flags>] [--lab-init-by-layer]
+        [--lab-freeze SITE:RANK:ITERATION]
 
 Runs the script unmodified (``plugin``: through ``megatron-overlap run``'s hook; ``stock``:
 as it is) after mapping the places where Megatron-LM's training loop assumes CUDA onto the CPU,
-and writes, per rank, the losses Megatron computed at every iteration (the reduced values
-``train_step`` returns, not the ``%.6E`` log line; only the last pipeline stage has them) and
+and writes, per rank, the losses Megatron logs at every iteration (the reduced values
+``train_step`` returns and ``training_log`` receives, not the ``%.6E`` log line; only the last
+pipeline stage has them, and the last rank prints them) and
 the plugin's patched calls to ``LOSSES.json.rank<r>``.
 
 The shims, each for one reason (``shared/third_party/megatron-lm/README.md`` lists the facts):
@@ -27,13 +29,20 @@ The shims, each for one reason (``shared/third_party/megatron-lm/README.md`` lis
   ``pin_memory=True``) on the CPU: dozens of places in ``training.py``, ``utils.py``, the
   optimizer;
 - ``TORCH_COMPILE_DISABLE=1``: ``megatron.core.jit.jit_fuser`` is ``torch.compile``;
+- ``torch_dist`` checkpoints written by each rank itself (``dist_ckpt.in_process_writes``): the
+  save's forked writers need psutil and report through a Manager process;
+- the distributed optimizer's state initialised before a ``torch_dist`` load reads it
+  (``_adam_step_in_initial_state``): without Transformer Engine or apex, megatron-core 0.16.1
+  cannot resume a distributed-optimizer checkpoint otherwise;
 - ``deallocate_pipeline_outputs`` off: freeing a stage's output under an asynchronous gloo send
   sends freed memory (``_keep_pipeline_outputs``);
 - ``--lab-init-by-layer`` (taken out before the script sees its arguments): every weight
   matrix drawn again after ``get_model`` from a seed of its place in the whole model (its
   global layer number and its name in the layer), so that two layouts that put a layer on
   another stage start from the same model (Megatron seeds each stage's initialisation by its
-  pipeline rank): ZB-V against stock interleaved (``_init_by_layer``).
+  pipeline rank): ZB-V against stock interleaved (``_init_by_layer``);
+- ``--lab-freeze SITE:RANK:ITERATION`` (taken out too): that rank stops itself (SIGSTOP) where
+  it reaches SITE in that iteration, for the frozen-peer tests (``_freeze_at``).
 
 Lab code: it patches the world for a test and is never imported by the product.
 """
@@ -47,6 +56,9 @@ import sys
 import time
 
 import torch
+
+_IN_PROCESS_WRITES = None
+
 
 class _Event:
     def __init__(self, *args, **kwargs):
@@ -95,10 +107,48 @@ def apply() -> None:
         return original(*args, **kwargs)
 
     initialize.initialize_megatron = initialize_megatron
+    _adam_step_in_initial_state()
+    from .dist_ckpt import in_process_writes
+
+    global _IN_PROCESS_WRITES  # held for the life of the process (a dropped context restores Megatron's writers)
+    _IN_PROCESS_WRITES = in_process_writes()
+    _IN_PROCESS_WRITES.__enter__()  # torch_dist saves written by the rank itself (lab/dist_ckpt.py)
     from megatron.training import training
 
     training.initialize_megatron = initialize_megatron
     _keep_pipeline_outputs(arguments)
+
+
+def _adam_step_in_initial_state() -> None:
+    """The distributed optimizer's state initialised, with Adam's ``step`` (0), before Megatron
+    reads it to load a ``torch_dist`` checkpoint. Without Transformer Engine or apex,
+    megatron-core 0.16.1 runs ``torch.optim.Adam``: loading calls ``DistributedOptimizer.
+    state_dict()`` (to build the sharded state dict to load into) before any state exists, and it
+    asserts exactly one ``step`` among the states; its ``init_state_fn`` creates ``exp_avg`` and
+    ``exp_avg_sq`` only. Stock Megatron cannot resume such a checkpoint on this CPU otherwise. The
+    checkpoint's values then replace these zeros.
+
+    What this does not mend (stock Megatron's, on this path): the resumed losses differ from the
+    uninterrupted run's from the first update after the resume (seen with bf16; the loaded step
+    is one tensor that every parameter's state shares, and Adam increments it in place); with
+    fp32 parameters the load copies into a view of a leaf parameter and fails; the ``torch``
+    format's distributed-optimizer loader fails too (that view, and ``step`` expected among the
+    per-parameter tensors it saved without it). The matrix therefore compares a resumed run
+    with stock's resumed run (tests/matrix_design.py)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.state_dict
+
+    def state_dict(self, *args, **kwargs):
+        states = self.optimizer.state if self.optimizer is not None else {}
+        if self.init_state_fn is not None and not any(len(s) for s in states.values()):
+            self.init_state_fn(self.optimizer, self.config)
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    self.optimizer.state[param].setdefault("step", torch.tensor(0.0))
+        return original(self, *args, **kwargs)
+
+    DistributedOptimizer.state_dict = state_dict
 
 
 def _keep_pipeline_outputs(arguments) -> None:
@@ -164,24 +214,65 @@ def _global_names(chunk) -> dict:
     return named
 
 
+# --lab-freeze SITE:RANK:ITERATION: where a rank stops itself (SIGSTOP: alive, silent)
+_FREEZE_SITES = {
+    "column": ("megatron.core.tensor_parallel.layers", "ColumnParallelLinear", "forward"),  # the plugin's TP ring
+    "broadcast": ("megatron.training.utils", None, "get_batch_on_this_tp_rank"),  # Megatron's TP broadcast
+    "grad-sync": ("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel",
+                  "finish_grad_sync"),  # DDP's reductions, then the optimizer's collectives
+    "stage": ("megatron.core.pipeline_parallel.schedules", None, "forward_step"),  # pipeline P2P
+}
+
+
+def _freeze_at(spec: str, path: str) -> None:
+    """Rank RANK stops itself with SIGSTOP the first time it reaches SITE in training iteration
+    ITERATION (1-based), after writing the time to ``path.frozen``: a peer frozen in one place,
+    for the timeout tests (tests/test_timeout_pretrain_gpt.py)."""
+    import importlib
+    import signal
+
+    import torch.distributed as dist
+    from megatron.training import training
+
+    site, rank, iteration = spec.split(":")
+    module_name, cls, name = _FREEZE_SITES[site]
+    module = importlib.import_module(module_name)
+    owner = getattr(module, cls) if cls else module
+    original, original_step = getattr(owner, name), training.train_step
+    state = {"iteration": 0}
+
+    def train_step(*args, **kwargs):
+        state["iteration"] += 1
+        return original_step(*args, **kwargs)
+
+    def frozen(*args, **kwargs):
+        if state["iteration"] == int(iteration) and dist.get_rank() == int(rank):
+            with open(path + ".frozen", "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return original(*args, **kwargs)
+
+    training.train_step = train_step
+    setattr(owner, name, frozen)
+
+
 def _record_losses(path: str) -> None:
-    """Wrap ``train_step`` where ``train`` looks it up: the reduced losses of each iteration,
-    and the plugin's patched calls, go to ``path.rank<r>`` when the process exits."""
+    """Wrap ``training_log`` where ``train`` looks it up: the reduced losses of each iteration as
+    Megatron logs them on this rank (``train_step``'s, on the rank Megatron prints from), and the
+    plugin's patched calls, go to ``path.rank<r>`` when the process exits."""
     import atexit
 
     import torch.distributed as dist
     from megatron.training import training
 
     losses: list = []
-    original = training.train_step
+    original = training.training_log
 
-    def train_step(*args, **kwargs):
-        out = original(*args, **kwargs)
-        loss_dict = out[0]
+    def training_log(loss_dict, *args, **kwargs):
         losses.append({k: float(v) for k, v in loss_dict.items()} if loss_dict else {})
-        return out
+        return original(loss_dict, *args, **kwargs)
 
-    training.train_step = train_step
+    training.training_log = training_log
 
     def dump():
         from ..integration.install import find_installation
@@ -213,11 +304,17 @@ def main(argv=None) -> int:
     losses, mode, script, rest = argv[0], argv[1], argv[2], argv[3:]
     by_layer = "--lab-init-by-layer" in rest
     rest = [a for a in rest if a != "--lab-init-by-layer"]
+    freeze = None
+    if "--lab-freeze" in rest:
+        i = rest.index("--lab-freeze")
+        freeze, rest = rest[i + 1], rest[:i] + rest[i + 2:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     apply()
     if by_layer:
         _init_by_layer()
     _record_losses(losses)
+    if freeze:
+        _freeze_at(freeze, losses)
     if mode == "plugin":
         from ..integration.launch import run_script
 
