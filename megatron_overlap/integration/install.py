@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import sys
 from typing import Any, Optional, Union
@@ -219,6 +220,8 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
     from . import preflight
 
     preflight.check(config, context, notice)
+    if full_args and config.comm.timeout_s is not None:  # on every parse: Megatron parses more than once
+        _bound_megatron_groups(args_or_config, config.comm.timeout_s)
 
     current = find_installation()
     if current is not None:
@@ -270,6 +273,33 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
             notice(said)
     _apply(inst, cp_on, pp_on)
     return inst
+
+
+GROUP_MARGIN_S = 5  # Megatron's own ops time out this long after the plugin's named waits
+
+
+def _bound_megatron_groups(args, timeout_s: float) -> None:
+    """``--overlap-timeout-s`` S bounds Megatron's own collectives too, from the second
+    iteration on: Megatron-LM's ``--distributed-timeout-seconds-after-init`` (every process group
+    it made gets that timeout once the first iteration has run, so the start, which may wait
+    long on one rank building datasets, keeps ``--distributed-timeout-minutes``) becomes
+    ceil(S) + ``GROUP_MARGIN_S`` where it was unset or longer. A rank blocked in Megatron's
+    broadcast, DDP's reductions or the optimizer's collectives with a silent peer then fails by
+    that time, and the plugin's own waits (S) still fail first, naming the peer. A training loop
+    without that argument (megatron-core only) keeps its groups' timeout; the notice says which
+    applies."""
+    after_init = getattr(args, "distributed_timeout_seconds_after_init", "absent")
+    bound_s = math.ceil(timeout_s) + GROUP_MARGIN_S
+    if after_init == "absent":
+        notice(f"`comm.timeout_s` {timeout_s:g} bounds the plugin's own waits; this training loop has no "
+               "--distributed-timeout-seconds-after-init, so Megatron's collectives keep the process groups' timeout")
+        return
+    if after_init is not None and after_init <= bound_s:
+        return
+    args.distributed_timeout_seconds_after_init = bound_s
+    notice(f"`comm.timeout_s` {timeout_s:g}: from the second iteration on, Megatron's process groups time out "
+           f"after {bound_s} s (--distributed-timeout-seconds-after-init, was "
+           f"{'unset' if after_init is None else after_init}); every rank waiting on a silent peer fails by then")
 
 
 def _drop_unrunnable_zbv(predicted, args) -> None:
