@@ -28,6 +28,7 @@ The shims, each for one reason (``shared/third_party/megatron-lm/README.md`` lis
 - a ``TorchFunctionMode`` that puts tensors created with ``device="cuda"`` (or ``.cuda()``,
   ``pin_memory=True``) on the CPU: dozens of places in ``training.py``, ``utils.py``, the
   optimizer;
+- activation recompute's forwards under that mode too (``_recompute_under_cpu_devices``);
 - ``TORCH_COMPILE_DISABLE=1``: ``megatron.core.jit.jit_fuser`` is ``torch.compile``;
 - ``torch_dist`` checkpoints written by each rank itself (``dist_ckpt.in_process_writes``): the
   save's forked writers need psutil and report through a Manager process;
@@ -92,6 +93,7 @@ def apply() -> None:
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.pin_memory = lambda self, *a, **k: self
     cpu_shims.CPUDevices().__enter__()  # for the life of the process
+    _recompute_under_cpu_devices(cpu_shims.CPUDevices)
 
     from megatron.core.datasets import utils as dataset_utils
     from megatron.training import arguments, initialize
@@ -117,6 +119,27 @@ def apply() -> None:
 
     training.initialize_megatron = initialize_megatron
     _keep_pipeline_outputs(arguments)
+
+
+def _recompute_under_cpu_devices(mode) -> None:
+    """Activation recompute's forwards run under ``mode`` too. ``torch.autograd.backward`` goes
+    through the process-wide ``CPUDevices`` handler, which runs it with the mode off, so the
+    forward that Megatron's ``CheckpointFunction`` recomputes inside the backward would create
+    its ``device="cuda"`` tensors unmapped (seen: the causal mask of selective recompute under
+    the interleaved schedule)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    for name in ("CheckpointFunction", "CheckpointWithoutOutputFunction"):
+        cls = getattr(mrandom, name, None)
+        if cls is None:
+            continue
+        original = cls.backward
+
+        def backward(ctx, *args, _original=original):
+            with mode():
+                return _original(ctx, *args)
+
+        cls.backward = staticmethod(backward)
 
 
 def _adam_step_in_initial_state() -> None:
