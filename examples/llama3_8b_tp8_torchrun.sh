@@ -4,6 +4,9 @@
 #
 #   MEGATRON_LM=/path/to/Megatron-LM bash examples/llama3_8b_tp8_torchrun.sh
 #
+# On several nodes, run it on each with NNODES, NODE_RANK and MASTER_ADDR (the first node's
+# address) set; TP stays inside a node, DP = NNODES x GPUS_PER_NODE / TP.
+#
 # Extra arguments are passed on to pretrain_gpt.py (after the ones below, so they win).
 set -euo pipefail
 
@@ -16,6 +19,9 @@ MICRO_BATCH=${MICRO_BATCH:-1}
 GLOBAL_BATCH=${GLOBAL_BATCH:-16}
 TRAIN_ITERS=${TRAIN_ITERS:-100}
 MASTER_PORT=${MASTER_PORT:-29500}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
 
 # Megatron requires this with TP > 1 (before Blackwell): kernels run in the order they are launched.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -79,14 +85,15 @@ DATA_ARGS=(
 LOGGING_ARGS=(
     --log-interval 1
     --eval-iters 0
+    --eval-interval 1000  # Megatron-LM needs one even without evaluation
 )
 if [[ -n "$CHECKPOINT" ]]; then
     LOGGING_ARGS+=(--save "$CHECKPOINT" --load "$CHECKPOINT" --save-interval 1000)
 fi
 
 # --no-python: torchrun starts the megatron-overlap launcher, which runs pretrain_gpt.py.
-torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes 1 \
-    --master-addr localhost --master-port "$MASTER_PORT" \
+torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
     --no-python megatron-overlap run "$MEGATRON_LM/pretrain_gpt.py" \
     "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" \
     "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" "${OVERLAP_ARGS[@]}" "$@"
