@@ -41,9 +41,3 @@ def check_hdp_model(hdp, ctx, pp=None) -> None:
             "megatron.tensor_model_parallel_size", f"`hdp.enabled` groups the data-parallel ranks of each TP rank; "
             f"the world of {world} ranks does not split into TP groups of {tp} x pipeline stages of "
             f"{ctx.pp_size or 1}: choose sizes whose product divides the world size")
-    if ctx.overlap_grad_reduce:
-        raise OverlapConfigError(
-            "megatron.overlap_grad_reduce", "`hdp.enabled` runs its ring transfers on the data-parallel group, and "
-            "its ranks run different numbers of micro-batches: with `megatron.overlap_grad_reduce` a rank would start "
-            "the gradient reduction on that group while a ring peer still exchanges with it (a deadlock on NCCL). "
-            "Drop `megatron.overlap_grad_reduce`: the reduction then runs once, after the schedule")

@@ -288,7 +288,7 @@ def _in_ring(forward_step_func):
     @functools.wraps(forward_step_func)
     def forward_step(data_iterator: _Batches, model, *args, **kwargs):
         mb = data_iterator.peek()
-        mb.adapter.check(model, recompute_allowed=False)
+        mb.adapter.check(model)
         try:
             with mb.context(model):
                 return forward_step_func(data_iterator, model, *args, **kwargs)
