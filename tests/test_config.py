@@ -191,8 +191,9 @@ def parser_error(capsys, *flags) -> str:
         (["--hdp", "--hdp-max-tokens-per-rank", "64", "--overlap-cp", "ring"], dict(tp=1), "--overlap-cp", "drop --overlap-cp"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, cp=2), "--context-parallel-size", "--context-parallel-size 1"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, pp=2), "--hdp", "needs --hdp-mode pp"),
-        (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp", "--overlap-pp", "zb"], dict(tp=1, pp=2),
-         "--overlap-pp", "Megatron's own 1F1B schedule"),
+        (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp", "--overlap-pp", "zbv"],
+         dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=2), "--overlap-pp",
+         "and --hdp runs under non-interleaved pipelines only (its loop reads one data iterator per stage"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp"],
          dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=2), "--hdp", "non-interleaved pipelines only"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=4, world_size=6), "--tensor-model-parallel-size",
@@ -250,7 +251,7 @@ def parser_error(capsys, *flags) -> str:
         "hdp-with-overlap-cp",
         "hdp-with-cp-size",
         "hdp-dp-mode-with-pp",
-        "hdp-with-our-pp-schedules",
+        "hdp-with-zbv",
         "hdp-with-virtual-pipeline",
         "hdp-tp-not-dividing-the-world",
         "hdp-pp-mode-without-pp",
@@ -363,10 +364,14 @@ def test_memory_budget_below_one_or_p_microbatches_is_refused():
 
 def test_hdp_installs_with_what_long_context_runs_need():
     """Issue 38: --hdp with DDP's overlapped gradient reduction and the distributed optimizer's
-    overlaps installs (it was refused: the runs are in tests/test_pretrain_gpt.py)."""
+    overlaps, and --hdp-mode pp under our pipeline schedules, install (they were refused: the
+    runs are in tests/test_pretrain_gpt.py); ZB-V and virtual pipelines are still refused, naming
+    both flags (test_invalid_configurations_name_the_flag)."""
     hdp = ("--hdp", "--hdp-max-tokens-per-rank", "64")
     for flags, megatron in [
         (hdp, dict(overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True)),
+        (hdp + ("--hdp-mode", "pp", "--overlap-pp", "1f1b"), dict(pp=2, overlap_grad_reduce=True)),
+        (hdp + ("--hdp-mode", "pp", "--overlap-pp", "zb"), dict(pp=2, recompute_granularity="full")),
     ]:
         try:
             inst = megatron_overlap.install(megatron_args(*flags, tp=1, **megatron))

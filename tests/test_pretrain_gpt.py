@@ -225,3 +225,20 @@ def test_hdp_composes_with_recompute_overlapped_grad_reduce_evaluation_and_resum
         _close(ours["val_losses"], stock["val_losses"], HDP_REL)
     assert resumed["losses"] == saved["losses"][3:], (resumed["losses"], saved["losses"])
     assert resumed["val_losses"] == {k: v for k, v in saved["val_losses"].items() if k > 3}, (resumed, saved)
+
+
+@pytest.mark.parametrize("mode, recompute", [("1f1b", SELECTIVE), ("zb", FULL)], ids=["1f1b", "zb"])
+def test_hdp_runs_under_our_pipeline_schedules(mode, recompute):
+    """Issue 38: --hdp --hdp-mode pp at PP=2 x DP=2 under --overlap-pp 1f1b and zb (each
+    micro-batch sent with its own length, the lengths checked between the stages once per step),
+    with recompute, the distributed optimizer's overlapped gradient reduction and parameter
+    gather, and an evaluation every 2 steps: stock PP=2 x DP=2's losses and evaluations within 1e-6."""
+    stock = train("stock", 4, PP2 + _with_evaluation(_packed(*DIST_OPT)))
+    ours = train("plugin", 4, PP2 + _with_evaluation(_packed(*HDP, "--hdp-mode", "pp", *DIST_OPT, *recompute,
+                                                             "--overlap-pp", mode)))
+    calls = ours["calls"]
+    steps = 4 * (5 + 3)  # ranks x (training steps + evaluations)
+    assert calls.get(f"pp.{mode}") == calls.get("pp.variable_shapes") == calls.get("hdp.step") == steps, calls
+    assert calls.get("hdp.ring", 0) > 0 and calls.get("hdp.checkpoint", 0) > 0, calls
+    _close(ours["losses"], stock["losses"], HDP_REL)
+    _close(ours["val_losses"], stock["val_losses"], HDP_REL)

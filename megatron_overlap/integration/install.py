@@ -103,6 +103,9 @@ class Installation:
         self.wgrad = None  # tp.wgrad_store.WgradStore while TP overlap runs
         self.prefetch = PrefetchRegistry()
         self.sub_batch = None  # tp.sub_batch.SubBatches while a sub-batched block runs its forward
+        # token rows of each micro-batch of the schedule call in flight when they vary (an HDP step,
+        # hdp_loop.py): the pipeline executor sends each micro-batch's own shape (schedules.py)
+        self.microbatch_rows = None
         self.attention_block = None  # the Attention whose core attention is being cut (sub_batches.py)
         self.projected = None  # (context rows, projection, bias) between a cut core attention and linear_proj
         self.checked: set = set()
