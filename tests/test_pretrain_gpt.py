@@ -220,6 +220,7 @@ def test_hdp_composes_with_recompute_overlapped_grad_reduce_evaluation_and_resum
     for ours in (selective, saved):
         calls = ours["calls"]
         assert calls.get("hdp.ring", 0) > 0 and calls.get("hdp.checkpoint", 0) > 0, calls  # checkpoints in rings
+        assert calls.get("hdp.groups") == 2, calls  # HDP's communicator, made with Megatron's groups on each rank
         assert sorted(ours["val_losses"]) == [2, 4, 5], ours["val_losses"]  # after steps 2 and 4, and at the end
         _close(ours["losses"], stock["losses"], HDP_REL)
         _close(ours["val_losses"], stock["val_losses"], HDP_REL)

@@ -5,8 +5,8 @@ the runtime cannot run exactly, gives every row its true RoPE position, checks t
 attention is installed, and builds Megatron's ``PackedSeqParams`` for the ring context.
 :func:`make_runtime` builds an ``HdpRuntime`` from the config of ``--hdp`` (explicitly passed:
 nothing is read back from an installation), over a communicator of HDP's own (:func:`own_group`).
-:func:`patch_recompute` makes Megatron's activation checkpoints keep the ring of the forward for
-its recomputation.
+:func:`patch_groups` makes that communicator beside Megatron's groups; :func:`patch_recompute`
+makes Megatron's activation checkpoints keep the ring of the forward for its recomputation.
 
 RoPE. Megatron builds ``rotary_pos_emb`` for positions 0..S-1 and rotates row i by entry i; for
 a shard, whose rows sit at positions x c .. and (2n-1-x) c .., that would be wrong. While
@@ -125,6 +125,36 @@ def patch_recompute(inst) -> None:
     inst.set_attr(without, "checkpoint", checkpoint)
 
 
+def patch_groups(inst) -> None:
+    """HDP's communicator (:func:`own_group`) made beside Megatron's groups, not at the first
+    step: now, where Megatron's parallel state is up (every rank installs at the same point),
+    else right after ``parallel_state.initialize_model_parallel`` builds it (Megatron-LM's
+    ``_initialize_distributed``; patch table in ``install.py``). Making a group waits for every
+    rank, bounded only by the process groups' timeout; a peer silent at the first step then
+    meets the step's own waits, which ``--overlap-timeout-s`` bounds. With CP > 1 nothing is
+    made (``--hdp`` refuses it when it runs)."""
+    from megatron.core import parallel_state
+
+    def make() -> None:
+        if dist.is_initialized() and parallel_state.model_parallel_is_initialized() and \
+                parallel_state.get_context_parallel_world_size() == 1:
+            parent = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            if parent not in _OWN:
+                own_group(parent)
+                inst.calls["hdp.groups"] += 1
+
+    make()
+    original = parallel_state.__dict__["initialize_model_parallel"]
+
+    @functools.wraps(original)
+    def initialize_model_parallel(*args, **kwargs):
+        out = original(*args, **kwargs)
+        make()
+        return out
+
+    inst.set_attr(parallel_state, "initialize_model_parallel", initialize_model_parallel)
+
+
 class MegatronModel:
     """The HDP runtime's adapter for Megatron's GPT (module docstring). Models that passed the
     checks are remembered (weakly) on this object."""
@@ -229,7 +259,8 @@ def own_group(parent: dist.ProcessGroup) -> dist.ProcessGroup:
     Collective over WORLD the first time (every rank calls it, each with its own parent, e.g.
     its data-parallel group; the parents must split the world): the parents' ranks are
     all-gathered and every rank makes every new group, as ``torch.distributed.new_group`` asks.
-    The new groups take the parent's timeout."""
+    The new groups take the parent's timeout. The installation makes it with Megatron's groups
+    (:func:`patch_groups`)."""
     found = _OWN.get(parent)
     if found is not None:
         return found

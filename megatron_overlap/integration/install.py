@@ -10,6 +10,7 @@
 | ``transformer.torch_norm.WrappedTorchNorm.__new__``            | ``norms.py`` (no apex: the torch norm under sequence parallelism, its params marked ``sequence_parallel``) | Megatron's torch norm accepts sequence parallelism |
 | ``megatron.training.training.get_forward_backward_func`` (``--hdp``)  | ``hdp_loop.py`` (each schedule call runs as an HDP step: the script's batches cut into documents, planned, its forward step in the ring context) | Megatron-LM's loop takes a pluggable data planner |
 | ``tensor_parallel.random.CheckpointFunction.forward``, ``CheckpointWithoutOutput.checkpoint`` (``--hdp``) | ``hdp.py`` (the function saved for recomputation runs in the HDP ring of its forward) | Megatron's checkpoints carry the caller's context |
+| ``parallel_state.initialize_model_parallel`` (``--hdp``) | ``hdp.py`` (HDP's own communicator over the data-parallel ranks made right after Megatron's groups) | Megatron makes a group for a plugin's traffic |
 | ``get_batch_on_this_tp_rank`` (core_v0.16 ``megatron.training.utils``, 0.19 ``megatron.core.utils``, and every module that bound it by name, the script's ``__main__`` included; ``--hdp``) | ``hdp_loop.py`` (during an HDP step each TP rank reads its own copy of the planned micro-batch instead of a fixed-shape broadcast) | Megatron-LM's get_batch broadcasts variable shapes |
 | ``transformer.mlp.MLP.forward``, ``transformer.attention.Attention.forward``, ``DotProductAttention.forward`` (``--overlap-tp-sub-batches`` > 1) | ``sub_batches.py`` (the blocks cut into row parts) | Megatron's layers take a sub-batch schedule |
 | ``pipeline_parallel.get_forward_backward_func`` (also in ``pipeline_parallel.schedules`` and ``megatron.training.training``, which bind it by name) | ``schedules.py`` (``--overlap-pp`` -> ``pp``) | Megatron takes a pluggable pipeline schedule |
@@ -313,6 +314,7 @@ def _apply(inst: Installation, cp_on: bool, pp_on: bool) -> None:
         norms.patch(inst)
         if config.hdp.enabled:
             hdp.patch_recompute(inst)
+            hdp.patch_groups(inst)
             hdp_loop.patch(inst)
         if config.trace.enabled:
             training.patch_train_step(inst)
