@@ -29,7 +29,6 @@ class ModelContext:
     megatron_pp_flags: tuple = ()  # Megatron's own pipeline-overlap flags that are on
     tied_embeddings: bool = False  # Megatron-LM ties them unless --untie-embeddings-and-output-weights
     documents: Optional[bool] = None  # the GPT dataset marks documents (reset attention mask and positions)
-    overlap_grad_reduce: bool = False  # Megatron DDP's
     position_embedding: Optional[str] = None
     world_size: Optional[int] = None
     train_iters: Optional[int] = None  # Megatron-LM's --train-iters (the trace's iterations are checked against it)
@@ -64,7 +63,6 @@ class ModelContext:
             tied_embeddings=get("untie_embeddings_and_output_weights") is False,
             documents=None if get("reset_attention_mask") is None else bool(
                 get("reset_attention_mask") and get("reset_position_ids")),
-            overlap_grad_reduce=bool(get("overlap_grad_reduce")),
             position_embedding=get("position_embedding_type"),
             world_size=get("world_size"),
             train_iters=get("train_iters") if isinstance(get("train_iters"), int) else None,

@@ -127,7 +127,13 @@ def exactness(seed: int, position: str = "rope") -> dict:
         ref = _grads(model)
         _zero(model)
 
-        rt = make_runtime(installation.config.hdp)  # Megatron's DP group (CP = 1): all 4 ranks
+        rt = make_runtime(installation.config.hdp)  # Megatron's DP group's ranks (CP = 1): all 4 ranks
+        from megatron.core import parallel_state
+
+        dp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        # HDP's own communicator over the DP ranks (never DDP's), made once
+        own_group = (rt.group is not dp and dist.get_process_group_ranks(rt.group) == dist.get_process_group_ranks(dp)
+                     and make_runtime(installation.config.hdp).group is rt.group)
         step = rt.step(samples[me])
         step.plan.validate()
         result = hdp.forward_backward(model, step)
@@ -171,7 +177,7 @@ def exactness(seed: int, position: str = "rope") -> dict:
             ring_sizes=sorted(step.plan.ring_sizes().values()),
             my_rings=[len(mb.ring) for mb in step.microbatches],
             microbatches=step.num_microbatches, iterator_microbatches=n, moved_tokens=step.moved_tokens,
-            signature=repr(step.plan.microbatches), lengths=list(step.seq_lens),
+            signature=repr(step.plan.microbatches), lengths=list(step.seq_lens), own_group=own_group,
         )
     finally:
         _uninstall()

@@ -191,16 +191,15 @@ def parser_error(capsys, *flags) -> str:
         (["--hdp", "--hdp-max-tokens-per-rank", "64", "--overlap-cp", "ring"], dict(tp=1), "--overlap-cp", "drop --overlap-cp"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, cp=2), "--context-parallel-size", "--context-parallel-size 1"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, pp=2), "--hdp", "needs --hdp-mode pp"),
-        (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp", "--overlap-pp", "zb"], dict(tp=1, pp=2),
-         "--overlap-pp", "Megatron's own 1F1B schedule"),
+        (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp", "--overlap-pp", "zbv"],
+         dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=2), "--overlap-pp",
+         "and --hdp runs under non-interleaved pipelines only (its loop reads one data iterator per stage"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp"],
          dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=2), "--hdp", "non-interleaved pipelines only"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=4, world_size=6), "--tensor-model-parallel-size",
          "the world of 6 ranks does not split into TP groups of 4 x pipeline stages of 1"),
         (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp"], dict(tp=1), "--hdp-mode",
          "this run has --pipeline-model-parallel-size 1: use --hdp-mode dp"),
-        (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, overlap_grad_reduce=True), "--overlap-grad-reduce",
-         "Drop --overlap-grad-reduce: the reduction then runs once, after the schedule"),
         (["--overlap-pp", "zbv"], dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=4), "--overlap-pp",
          "zbv places exactly 2 model chunks on each stage"),
         (["--overlap-pp", "zbv"], dict(tp=1, pp=2), "--overlap-pp", "this run has no virtual pipeline"),
@@ -252,11 +251,10 @@ def parser_error(capsys, *flags) -> str:
         "hdp-with-overlap-cp",
         "hdp-with-cp-size",
         "hdp-dp-mode-with-pp",
-        "hdp-with-our-pp-schedules",
+        "hdp-with-zbv",
         "hdp-with-virtual-pipeline",
         "hdp-tp-not-dividing-the-world",
         "hdp-pp-mode-without-pp",
-        "hdp-with-overlap-grad-reduce",
         "pp-zbv-four-chunks",
         "pp-zbv-without-virtual-pipeline",
         "pp-with-megatron-delay-wgrad",
@@ -362,6 +360,25 @@ def test_memory_budget_below_one_or_p_microbatches_is_refused():
         inflight_for_budget(1.0, 4, 16, per)
     with pytest.raises(OverlapConfigError, match="3 micro-batch.*holds 4 on its first stage even in 1F1B"):
         inflight_for_budget(10.0, 4, 16, per)
+
+
+def test_hdp_installs_with_what_long_context_runs_need():
+    """Issue 38: --hdp with DDP's overlapped gradient reduction and the distributed optimizer's
+    overlaps, and --hdp-mode pp under our pipeline schedules, install (they were refused: the
+    runs are in tests/test_pretrain_gpt.py); ZB-V and virtual pipelines are still refused, naming
+    both flags (test_invalid_configurations_name_the_flag)."""
+    hdp = ("--hdp", "--hdp-max-tokens-per-rank", "64")
+    for flags, megatron in [
+        (hdp, dict(overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True)),
+        (hdp + ("--hdp-mode", "pp", "--overlap-pp", "1f1b"), dict(pp=2, overlap_grad_reduce=True)),
+        (hdp + ("--hdp-mode", "pp", "--overlap-pp", "zb"), dict(pp=2, recompute_granularity="full")),
+    ]:
+        try:
+            inst = megatron_overlap.install(megatron_args(*flags, tp=1, **megatron))
+            assert inst.config.hdp.enabled and inst.patched, flags
+            assert inst.config.pp.mode == (flags[-1] if "--overlap-pp" in flags else "off"), flags
+        finally:
+            megatron_overlap.uninstall()
 
 
 def test_hdp_through_megatron_lms_loop_checks_what_the_script_path_needs(monkeypatch):

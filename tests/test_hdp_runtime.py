@@ -47,6 +47,7 @@ def test_rope_exact_against_one_process(exact_rope):
     assert r0["moved_tokens"] > 0
     assert len({r["microbatches"] for r in exact_rope}) > 1
     assert all(r["iterator_microbatches"] == r["microbatches"] for r in exact_rope)
+    assert all(r["own_group"] for r in exact_rope)  # rings and exchange on a communicator of their own
 
 
 def test_learned_absolute_positions_exact(pool4):
@@ -230,7 +231,7 @@ def test_a_stage_that_reads_no_batch_still_moves_to_the_next_micro_batch():
             self.k = k
             self.adapter = self
 
-        def check(self, model, recompute_allowed):
+        def check(self, model):
             pass
 
         @contextlib.contextmanager
@@ -247,3 +248,47 @@ def test_a_stage_that_reads_no_batch_still_moves_to_the_next_micro_batch():
     entered.clear()
     assert [step_out["tokens"] for step_out in (reads(batches, None), reads(batches, None))] == [0, 1]
     assert entered == [0, 1]
+
+
+def test_a_recomputed_forward_runs_in_the_ring_of_its_forward(monkeypatch):
+    """Issue 38: Megatron's activation checkpoints re-run a forward inside the backward, where
+    the HDP micro-batch's ring context is no longer entered. With --hdp installed the function
+    saved for the recomputation carries the ring of its forward (both checkpoint kinds); stock
+    Megatron (uninstalled) recomputes with no ring. Trained through pretrain_gpt.py with
+    selective and full recompute: tests/test_pretrain_gpt.py."""
+    import argparse
+
+    import megatron_overlap
+    from megatron.core.tensor_parallel import random as tp_random
+
+    from megatron_overlap.cp import context
+
+    # the CUDA RNG states Megatron's checkpoints save and restore: none on this CPU
+    monkeypatch.setattr(tp_random, "_get_all_rng_states", lambda: ())
+    monkeypatch.setattr(tp_random, "_set_all_rng_states", lambda *states: None)
+
+    def rings_seen():
+        seen = []
+
+        def layer(x):
+            seen.append(context.current())
+            return x * 2
+
+        x = torch.ones(3, requires_grad=True)
+        with context.ring(None, (0,)):  # an HDP micro-batch's forward
+            y = tp_random.checkpoint(layer, False, x)
+            kept = tp_random.CheckpointWithoutOutput(fp8=None)  # as Megatron passes config.fp8 when off
+            kept.checkpoint(layer, x)
+        y.sum().backward()  # recomputes outside the ring, as the schedule's backward does
+        kept._recompute(None)
+        assert x.grad.tolist() == [2.0] * 3
+        return seen
+
+    megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(
+        ["--hdp", "--hdp-max-tokens-per-rank", "64"], argparse.Namespace()))
+    try:
+        seen = rings_seen()
+        assert len(seen) == 4 and seen[0] is not None and all(s == seen[0] for s in seen), seen
+    finally:
+        megatron_overlap.uninstall()
+    assert rings_seen()[2:] == [None, None]  # stock: the recomputations ran with no ring

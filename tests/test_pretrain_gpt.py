@@ -10,11 +10,15 @@ same order at TP = 2 (bit-identical, ``==``); context parallelism against one ra
 attention blocks in another order (online softmax over ring steps): rel. 1e-6.
 HDP against plain data parallelism over the same packed documents: the same mean over every
 token of a step, summed in another order (per document and ring instead of per sample row):
-rel. 1e-5."""
+rel. 1e-6 (fp32; the HDP runs below differ from plain DP's losses by at most 1.4e-7 relative,
+measured 2026-12-04; validation losses are compared as Megatron prints them, ``%.6E``, whose
+rounding adds at most 1.5e-7)."""
 
+import functools
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -135,6 +139,21 @@ def test_plugin_refuses_megatrons_own_cp_path_clearly():
         in done.stderr
 
 
+HDP = ("--hdp", "--hdp-max-tokens-per-rank", "64")
+HDP_REL = 1e-6
+DIST_OPT = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
+SELECTIVE = ("--recompute-granularity", "selective")
+FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+
+
+def _close(ours, ref, rel: float) -> None:
+    """Losses (lists) or validation losses ({iteration: value}) within ``rel`` of ``ref``."""
+    if isinstance(ref, dict):
+        assert ours.keys() == ref.keys(), (ours, ref)
+        ours, ref = [ours[k] for k in sorted(ref)], [ref[k] for k in sorted(ref)]
+    assert len(ours) == len(ref) and all(abs(a - b) <= rel * abs(b) for a, b in zip(ours, ref)), (ours, ref)
+
+
 def test_hdp_trains_packed_documents_like_data_parallelism():
     """--hdp through pretrain_gpt.py: each sample cut into its documents, the documents longer
     than one rank's 64 tokens on rings of two ranks, the losses of plain data parallelism."""
@@ -144,26 +163,24 @@ def test_hdp_trains_packed_documents_like_data_parallelism():
     assert calls.get("hdp.step") == 2 * 5 and calls.get("hdp.ring", 0) > 0, calls  # long documents on rings
     assert calls.get("hdp.planned_ahead") == 2 * 4, calls  # every step after the first planned while one trained
     assert calls.get("hdp.attention", 0) > 0 and calls.get("hdp.microbatch", 0) > 2 * 5 * 2, calls
-    for a, b in zip(ours["losses"], stock["losses"]):
-        assert abs(a - b) <= 1e-5 * abs(b), (ours["losses"], stock["losses"])
+    _close(ours["losses"], stock["losses"], HDP_REL)
 
 
 def test_hdp_with_pipeline_parallelism_trains_like_data_parallelism():
     """--hdp --hdp-mode pp at PP=2 x DP=2 on 4 ranks under Megatron's own 1F1B: every stage plans
     the same slots, rings run between the two pipelines at the same stage, the stages exchange each
-    micro-batch's shape; the losses of stock PP=2 x DP=2 on the same documents within 1e-5."""
+    micro-batch's shape; the losses of stock PP=2 x DP=2 on the same documents within 1e-6."""
     stock = train("stock", 4, PP2 + _packed())
     ours = train("plugin", 4, PP2 + _packed("--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp"))
     calls = ours["calls"]
     assert calls.get("hdp.step") == 4 * 5 and calls.get("hdp.ring", 0) > 0, calls
-    for a, b in zip(ours["losses"], stock["losses"]):
-        assert abs(a - b) <= 1e-5 * abs(b), (ours["losses"], stock["losses"])
+    _close(ours["losses"], stock["losses"], HDP_REL)
 
 
 def test_hdp_with_tensor_parallelism_trains_like_data_parallelism():
     """--hdp at TP=2 x DP=2 on 4 ranks (each HDP rank a TP group with the TP-overlap linears,
     rings between the groups of one TP rank): TP rank 0 reads the documents and hands them to its
-    group, every TP rank plans the same step, and the losses are plain DP=2's at TP=1 within 1e-5
+    group, every TP rank plans the same step, and the losses are plain DP=2's at TP=1 within 1e-6
     (CPU initialisation: the same weights at every TP size). With an evaluation every 2 steps:
     the script passes no iterator on TP rank 1, for training and validation alike, and the
     evaluation (planned inline) must not take the training step read ahead."""
@@ -174,5 +191,55 @@ def test_hdp_with_tensor_parallelism_trains_like_data_parallelism():
     assert calls.get("hdp.step") == 4 * (5 + 3) and calls.get("hdp.ring", 0) > 0 and calls.get("tp.column", 0) > 0, \
         calls  # 5 training steps, evaluations after steps 2 and 4 and at the end
     assert calls.get("hdp.planned_ahead") == 4 * 4, calls  # training planned ahead, evaluation inline
-    for a, b in zip(ours["losses"], stock["losses"]):
-        assert abs(a - b) <= 1e-5 * abs(b), (ours["losses"], stock["losses"])
+    _close(ours["losses"], stock["losses"], HDP_REL)
+    _close(ours["val_losses"], stock["val_losses"], HDP_REL)
+
+
+@functools.lru_cache(maxsize=None)
+def _checkpoints() -> str:
+    return tempfile.mkdtemp(prefix="hdp_ckpt_")
+
+
+def test_hdp_composes_with_recompute_overlapped_grad_reduce_evaluation_and_resume():
+    """Issue 38: --hdp with what long-context runs carry, through pretrain_gpt.py (DP=2, 5
+    iterations, an evaluation every 2), against plain DP over the same documents within 1e-6:
+    selective recompute with the distributed optimizer's overlapped gradient reduction and
+    parameter gather; full recompute (uniform, one layer) with DDP's overlapped gradient
+    reduction, saved at iteration 3 (--ckpt-format torch) and resumed from there: the resumed
+    iterations equal the uninterrupted run's exactly, and so do its printed evaluations. (Stock's
+    recompute and distributed optimizer leave its losses bit-identical, so one stock run is the
+    reference for both. The resume runs without the distributed optimizer: stock Megatron-LM
+    core_v0.16.1 cannot resume an fp32 distributed optimizer here, lab/megatron_lm_cpu.py says why.)"""
+    stock = train("stock", 2, _with_evaluation(_packed(*CPU_INIT, *DIST_OPT, *SELECTIVE)))
+    selective = train("plugin", 2, _with_evaluation(_packed(*HDP, *CPU_INIT, *DIST_OPT, *SELECTIVE)))
+    full = ("--overlap-grad-reduce", *FULL, "--ckpt-format", "torch")
+    saved = train("plugin", 2, _with_evaluation(_packed(*HDP, *CPU_INIT, *full, "--save", _checkpoints(),
+                                                        "--save-interval", "3")))
+    resumed = train("plugin", 2, _with_evaluation(_packed(*HDP, *CPU_INIT, *full, "--load", _checkpoints(),
+                                                          "--ckpt-step", "3")), 2)
+    for ours in (selective, saved):
+        calls = ours["calls"]
+        assert calls.get("hdp.ring", 0) > 0 and calls.get("hdp.checkpoint", 0) > 0, calls  # checkpoints in rings
+        assert calls.get("hdp.groups") == 2, calls  # HDP's communicator, made with Megatron's groups on each rank
+        assert sorted(ours["val_losses"]) == [2, 4, 5], ours["val_losses"]  # after steps 2 and 4, and at the end
+        _close(ours["losses"], stock["losses"], HDP_REL)
+        _close(ours["val_losses"], stock["val_losses"], HDP_REL)
+    assert resumed["losses"] == saved["losses"][3:], (resumed["losses"], saved["losses"])
+    assert resumed["val_losses"] == {k: v for k, v in saved["val_losses"].items() if k > 3}, (resumed, saved)
+
+
+@pytest.mark.parametrize("mode, recompute", [("1f1b", SELECTIVE), ("zb", FULL)], ids=["1f1b", "zb"])
+def test_hdp_runs_under_our_pipeline_schedules(mode, recompute):
+    """Issue 38: --hdp --hdp-mode pp at PP=2 x DP=2 under --overlap-pp 1f1b and zb (each
+    micro-batch sent with its own length, the lengths checked between the stages once per step),
+    with recompute, the distributed optimizer's overlapped gradient reduction and parameter
+    gather, and an evaluation every 2 steps: stock PP=2 x DP=2's losses and evaluations within 1e-6."""
+    stock = train("stock", 4, PP2 + _with_evaluation(_packed(*DIST_OPT)))
+    ours = train("plugin", 4, PP2 + _with_evaluation(_packed(*HDP, "--hdp-mode", "pp", *DIST_OPT, *recompute,
+                                                             "--overlap-pp", mode)))
+    calls = ours["calls"]
+    steps = 4 * (5 + 3)  # ranks x (training steps + evaluations)
+    assert calls.get(f"pp.{mode}") == calls.get("pp.variable_shapes") == calls.get("hdp.step") == steps, calls
+    assert calls.get("hdp.ring", 0) > 0 and calls.get("hdp.checkpoint", 0) > 0, calls
+    _close(ours["losses"], stock["losses"], HDP_REL)
+    _close(ours["val_losses"], stock["val_losses"], HDP_REL)

@@ -25,6 +25,7 @@ STREAMS = (
     "cp.a2a_grad_out",         # cp.a2a: its backward, head -> sequence
     "cp.a2a_grad_in",          # cp.a2a: its backward, sequence -> head
     "pp.stage",                # integration.schedules: activations and gradients between stages
+    "pp.rows",                 # integration.schedules: a step's micro-batch rows, checked between stages (HDP)
 )
 assert (len(STREAMS) + 1) * STREAM_SIZE <= 1 << 23
 

@@ -11,10 +11,11 @@ def check_hdp_model(hdp, ctx, pp=None) -> None:
     section (our schedules), if any."""
     if not hdp.enabled:
         return
-    if ctx.pp_size is not None and ctx.pp_size > 1 and pp is not None and pp.enabled:
+    if pp is not None and pp.enabled and pp.mode == "zbv":
         raise OverlapConfigError(
-            "pp.mode", "with `hdp.enabled` the pipeline runs Megatron's own 1F1B schedule (HDP's micro-batches vary "
-            "in length, which our schedules do not take yet); drop `pp.mode`")
+            "pp.mode", "zbv runs two model chunks per stage (a virtual pipeline), and `hdp.enabled` runs under "
+            "non-interleaved pipelines only (its loop reads one data iterator per stage; a virtual pipeline has one "
+            "per chunk): with `hdp.enabled` use `pp.mode` zb or 1f1b")
     if ctx.pp_size is not None and ctx.pp_size > 1 and ctx.virtual_pp_size:
         raise OverlapConfigError(
             "hdp.enabled", "runs under non-interleaved pipelines only; drop `megatron.virtual_pipeline_model_parallel_size`")
@@ -41,9 +42,3 @@ def check_hdp_model(hdp, ctx, pp=None) -> None:
             "megatron.tensor_model_parallel_size", f"`hdp.enabled` groups the data-parallel ranks of each TP rank; "
             f"the world of {world} ranks does not split into TP groups of {tp} x pipeline stages of "
             f"{ctx.pp_size or 1}: choose sizes whose product divides the world size")
-    if ctx.overlap_grad_reduce:
-        raise OverlapConfigError(
-            "megatron.overlap_grad_reduce", "`hdp.enabled` runs its ring transfers on the data-parallel group, and "
-            "its ranks run different numbers of micro-batches: with `megatron.overlap_grad_reduce` a rank would start "
-            "the gradient reduction on that group while a ring peer still exchanges with it (a deadlock on NCCL). "
-            "Drop `megatron.overlap_grad_reduce`: the reduction then runs once, after the schedule")

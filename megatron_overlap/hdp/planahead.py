@@ -175,6 +175,7 @@ class HdpDataIterator:
         self.runtime = runtime
         self.plan_ahead = plan_ahead
         self.current = None
+        self._started: List[dict] = []  # the step's micro-batches, as start_step() queued them
         self._queue: List[dict] = []
         self._next = None  # (samples, gathered, future) of the step planned ahead
         self._ended = False
@@ -201,7 +202,13 @@ class HdpDataIterator:
             self._queue = [self.runtime.idle_microbatch().batch()]
         for b in self._queue:
             b["global_tokens"] = self.current.global_tokens
+        self._started = list(self._queue)
         return len(self._queue)
+
+    @property
+    def rows(self) -> List[int]:
+        """Token rows of each micro-batch of the step started, in order."""
+        return [int(b["tokens"].shape[-1]) for b in self._started]
 
     def _planned_step(self):
         if self._next is None:

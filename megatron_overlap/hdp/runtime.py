@@ -22,7 +22,11 @@ WORLD), R = |G| ranks::
 Attention. ``MicroBatch.context(model)`` enters ``cp.context.ring(G, ring, packed)``: the
 patched Megatron ``DotProductAttention.forward`` (``megatron_overlap.install`` with ``--hdp``)
 then runs ``cp_attention(mode="ring")`` over that explicit rank list inside G; no process group
-is ever created per ring or per step. A micro-batch's rows are, per document, chunks x and
+is ever created per ring or per step (``integration.hdp.make_runtime`` makes G itself once: a
+communicator of HDP's own over the data-parallel ranks, so that Megatron's overlapped gradient
+reductions on the data-parallel group never queue with the rings). Activation recomputation
+re-runs a forward inside the backward in the ring its first run saw (``cp.context.keep``, put
+into Megatron's checkpoints by the installation). A micro-batch's rows are, per document, chunks x and
 2n-1-x of the document padded to a multiple of 2n (n = ring size, x = this rank's position;
 n = 1: the document whole, unpadded): exactly ``Shard.ranges`` plus padding, which the runtime
 checks. Ring peers must agree on the document order: documents are sorted by sequence id.
@@ -39,8 +43,8 @@ know for a shard: the model adapter (``integration.hdp``) hooks it while ``conte
 entered. Padding rows get position 0 (their outputs are never seen and their loss weight is 0).
 
 The model adapter. The runtime knows no Megatron: what it needs of the model comes from an
-adapter object (``integration.hdp.MegatronModel`` for Megatron's GPT): ``check(model,
-recompute_allowed)`` refuses models it cannot run exactly, ``positions(model, position_ids,
+adapter object (``integration.hdp.MegatronModel`` for Megatron's GPT): ``check(model)`` refuses
+models it cannot run exactly, ``positions(model, position_ids,
 count)`` is the true-position context, ``require_patched()`` refuses to run while the patched
 attention is not installed, ``packed_params(layout)`` is the ring's THD view for attention.
 
@@ -66,9 +70,9 @@ rank without work gets one fully masked one-token micro-batch, since Megatron's 
 always run at least one); ``next()`` yields Megatron-style batch dicts; ``forward_step`` is a
 ``forward_step_func`` for ``calculate_per_token_loss=True`` (its loss function returns
 ``(loss sum, token count, report)``; Megatron divides the summed gradients by the all-reduced
-count, which is N). Its context covers the forward only, so activation recomputation, which
-re-runs the forward inside the backward, is refused there (``forward_backward`` keeps the
-context entered through the backward and allows it).
+count, which is N). Its context covers the forward only; a forward that activation
+recomputation re-runs inside the backward runs in the ring Megatron's checkpoint captured with
+it (Attention, above).
 """
 
 from __future__ import annotations
@@ -125,8 +129,7 @@ class MicroBatch:
     @contextlib.contextmanager
     def context(self, model=None):
         """Attention over this micro-batch's ring and, with ``model``, RoPE at the true positions
-        (module docstring). Keep it entered through the forward (and the backward when
-        activations are recomputed)."""
+        (module docstring), for the forward (a recomputed forward keeps the ring it ran in)."""
         from ..comm import waits
         from ..cp import context as ring_context
 
@@ -307,7 +310,7 @@ def forward_backward(model, step: HdpStep, forward: Callable = default_forward, 
     returns per-token losses ``[T]``. On a GPU the per-micro-batch times are host-side launch
     times unless ``sync_timing`` (a device synchronisation after each micro-batch)."""
     if check:
-        step.adapter.check(model, recompute_allowed=True)
+        step.adapter.check(model)
     total = torch.zeros((), dtype=torch.float64, device=step.microbatches[0].tokens.device
                         if step.microbatches else "cpu")
     result = StepResult(total)
@@ -367,7 +370,7 @@ def forward_step(data_iterator, model):
     the forward inside the micro-batch's ring context; returns (per-token losses, loss func)."""
     batch = next(data_iterator)
     mb: MicroBatch = batch["hdp"]
-    mb.adapter.check(model, recompute_allowed=False)
+    mb.adapter.check(model)
     with mb.context(model):
         output = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
                        labels=batch["labels"])

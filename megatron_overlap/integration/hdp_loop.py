@@ -22,7 +22,10 @@ name in ``megatron.training.training``. There it is wrapped so that each call of
    plain batch dicts (tokens, labels, loss mask, true positions; no attention mask: documents
    are kept apart by the ring context), inside the micro-batch's ring context
    (``MicroBatch.context``), so the script's ``get_batch`` and loss function (NaN checks, its
-   ``(loss sum, tokens, report)``) run as they are.
+   ``(loss sum, tokens, report)``) run as they are. Under a pipeline the stages pass each
+   micro-batch on with its own length: Megatron's 1F1B exchanges each shape
+   (``variable_seq_lengths``, set for the step), our schedules (``--overlap-pp``) take every
+   micro-batch's rows from the step (``Installation.microbatch_rows``).
 
 With TP > 1 the HDP group is the data-parallel ranks of one TP rank, and each HDP "rank" a TP
 group: Megatron gives the data iterator to TP rank 0 only, so it reads the documents and hands
@@ -197,11 +200,13 @@ class _Loop:
         self.active = _Batches(step)
         variable = config.variable_seq_lengths  # stages exchange each micro-batch's shape (they vary)
         config.variable_seq_lengths = True
+        self.inst.microbatch_rows = step.rows  # our pipeline schedules take them from here (schedules.py)
         try:
             return schedule(forward_step_func=_in_ring(forward_step_func), data_iterator=self.active,
                             model=model, num_microbatches=count, **kwargs)
         finally:
             self.active = None
+            self.inst.microbatch_rows = None
             config.variable_seq_lengths = variable
 
     def _hdp_iterator(self, data_iterator, m: int, forward_only: bool):
@@ -288,7 +293,7 @@ def _in_ring(forward_step_func):
     @functools.wraps(forward_step_func)
     def forward_step(data_iterator: _Batches, model, *args, **kwargs):
         mb = data_iterator.peek()
-        mb.adapter.check(model, recompute_allowed=False)
+        mb.adapter.check(model)
         try:
             with mb.context(model):
                 return forward_step_func(data_iterator, model, *args, **kwargs)

@@ -9,6 +9,8 @@
 | ``megatron.training.training.train_step``                       | ``training.py`` (``--overlap-trace``) | Megatron-LM's loop takes a profiler hook |
 | ``transformer.torch_norm.WrappedTorchNorm.__new__``            | ``norms.py`` (no apex: the torch norm under sequence parallelism, its params marked ``sequence_parallel``) | Megatron's torch norm accepts sequence parallelism |
 | ``megatron.training.training.get_forward_backward_func`` (``--hdp``)  | ``hdp_loop.py`` (each schedule call runs as an HDP step: the script's batches cut into documents, planned, its forward step in the ring context) | Megatron-LM's loop takes a pluggable data planner |
+| ``tensor_parallel.random.CheckpointFunction.forward``, ``CheckpointWithoutOutput.checkpoint`` (``--hdp``) | ``hdp.py`` (the function saved for recomputation runs in the HDP ring of its forward) | Megatron's checkpoints carry the caller's context |
+| ``parallel_state.initialize_model_parallel`` (``--hdp``) | ``hdp.py`` (HDP's own communicator over the data-parallel ranks made right after Megatron's groups) | Megatron makes a group for a plugin's traffic |
 | ``get_batch_on_this_tp_rank`` (core_v0.16 ``megatron.training.utils``, 0.19 ``megatron.core.utils``, and every module that bound it by name, the script's ``__main__`` included; ``--hdp``) | ``hdp_loop.py`` (during an HDP step each TP rank reads its own copy of the planned micro-batch instead of a fixed-shape broadcast) | Megatron-LM's get_batch broadcasts variable shapes |
 | ``transformer.mlp.MLP.forward``, ``transformer.attention.Attention.forward``, ``DotProductAttention.forward`` (``--overlap-tp-sub-batches`` > 1) | ``sub_batches.py`` (the blocks cut into row parts) | Megatron's layers take a sub-batch schedule |
 | ``pipeline_parallel.get_forward_backward_func`` (also in ``pipeline_parallel.schedules`` and ``megatron.training.training``, which bind it by name) | ``schedules.py`` (``--overlap-pp`` -> ``pp``) | Megatron takes a pluggable pipeline schedule |
@@ -103,6 +105,9 @@ class Installation:
         self.wgrad = None  # tp.wgrad_store.WgradStore while TP overlap runs
         self.prefetch = PrefetchRegistry()
         self.sub_batch = None  # tp.sub_batch.SubBatches while a sub-batched block runs its forward
+        # token rows of each micro-batch of the schedule call in flight when they vary (an HDP step,
+        # hdp_loop.py): the pipeline executor sends each micro-batch's own shape (schedules.py)
+        self.microbatch_rows = None
         self.attention_block = None  # the Attention whose core attention is being cut (sub_batches.py)
         self.projected = None  # (context rows, projection, bias) between a cut core attention and linear_proj
         self.checked: set = set()
@@ -325,7 +330,7 @@ def _drop_unrunnable_zbv(predicted, args) -> None:
 
 def _apply(inst: Installation, cp_on: bool, pp_on: bool) -> None:
     """Patch Megatron for the resolved config; on any failure, nothing stays half-installed."""
-    from . import attention, ddp, hdp_loop, linears, norms, schedules, training
+    from . import attention, ddp, hdp, hdp_loop, linears, norms, schedules, training
 
     config = inst.config
     try:
@@ -338,6 +343,8 @@ def _apply(inst: Installation, cp_on: bool, pp_on: bool) -> None:
         attention.patch(inst, forward=cp_on)
         norms.patch(inst)
         if config.hdp.enabled:
+            hdp.patch_recompute(inst)
+            hdp.patch_groups(inst)
             hdp_loop.patch(inst)
         if config.trace.enabled:
             training.patch_train_step(inst)

@@ -13,6 +13,15 @@ order of the compute and where each transfer is posted and waited differ; every 
 through ``batch_isend_irecv`` on the pipeline group, both ends posting the same transfers in
 the same order, every wait bounded by the group's timeout.
 
+Shapes. Every micro-batch's activation has Megatron's ``get_tensor_shapes`` shape, the same for
+all of them; under ``--hdp --hdp-mode pp`` (``hdp_loop.py``) micro-batch k has its own token
+rows T_k, which the HDP loop gives the executor (``Installation.microbatch_rows``) and each
+transfer takes ``get_tensor_shapes(seq_length=T_k, micro_batch_size=1)``. Both ends know every
+T_k before the step: each stage planned the same step from the same documents. Where stock
+Megatron's ``variable_seq_lengths`` exchanges a shape before every transfer and waits for it,
+the stages here check once per step that they agree (each sends its list of T_k to the next
+stage, which compares it with its own) and post every transfer as with fixed shapes.
+
 The data-parallel sync in the bubbles (Centauri's model level): with Megatron DDP's
 distributed optimizer and ``overlap_param_gather``, Megatron's non-interleaved schedule leaves
 the first parameter all-gather to the first forward's hook, so every stage but the first waits
@@ -94,7 +103,7 @@ def make_executor(inst):
         inst.calls[f"pp.{inst.config.pp.mode}"] += 1
         run = _Run(inst, schedules, with_model_type, forward_step_func, data_iterator, model, num_microbatches,
                    forward_only, collect_non_loss_data, first_val_step, p2p_communicator, pg_collection)
-        run.shapes(seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn)
+        run.shapes(seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn, inst.microbatch_rows)
         with waits.at(timeout_s=inst.config.comm.timeout_s):  # --overlap-timeout-s: every wait below
             return run.execute(force_all_reduce)
 
@@ -117,7 +126,7 @@ class _Run:
         self.collect_non_loss_data, self.first_val_step = collect_non_loss_data, first_val_step
         self.config = config = get_model_config(model)
         self.model_type = get_model_type(model)
-        _refuse_unsupported(config)
+        _refuse_unsupported(config, rows_known=inst.microbatch_rows is not None)
         if pg_collection is not None and not hasattr(pg_collection, "tp"):
             raise OverlapConfigError("pp.mode", "runs single-module pipelines; a multi-module process-group "
                                      "collection needs Megatron's own schedule (`pp.mode` off)")
@@ -139,7 +148,9 @@ class _Run:
         self.works, self.buffers = {}, {}
         self.inputs, self.outputs, self.out_grads, self.in_grads = {}, {}, {}, {}
 
-    def shapes(self, seq_length, micro_batch_size, decoder_seq_length, adjust):
+    def shapes(self, seq_length, micro_batch_size, decoder_seq_length, adjust, rows=None):
+        """The shape of each transfer; ``rows``: each micro-batch's token rows where they vary
+        (module docstring), else None."""
         kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
                   config=self.config, tp_group=self.tp_group, cp_group=self.cp_group)
         recv = send = self.schedules.get_tensor_shapes(**kw)
@@ -149,6 +160,15 @@ class _Run:
             raise OverlapConfigError("pp.mode", f"sends one tensor between stages; this model sends {len(send)} "
                                      "(encoder-decoder or adjusted shapes): use `pp.mode` off")
         self.recv_shape, self.send_shape = tuple(recv[0]), tuple(send[0])
+        self.rows, self.mb_shapes = None, None
+        if rows is not None:
+            if adjust is not None or len(rows) != self.m:
+                raise RuntimeError(f"megatron-overlap pipeline stage {self.stage}: {len(rows)} micro-batch lengths "
+                                   f"for {self.m} micro-batches" + (" and adjusted shapes" if adjust else ""))
+            self.rows = [int(r) for r in rows]
+            kw.update(micro_batch_size=1, decoder_seq_length=None)
+            self.mb_shapes = [tuple(self.schedules.get_tensor_shapes(**dict(kw, seq_length=r))[0]) for r in self.rows]
+            seq_length, micro_batch_size = max(self.rows), 1
         pp = self.inst.config.pp
         inflight = _inflight(pp, self.p, self.m, self.config, seq_length, micro_batch_size)
         self.schedule = _schedule(pp.mode, self.p, self.m, inflight, self.forward_only, self.inst.pp_times)
@@ -168,6 +188,9 @@ class _Run:
         sync = _GradSync(config)
         sync.disable()
         last_b = self.m - 1
+        if self.rows is not None:
+            self._agree_rows()
+            self.inst.calls["pp.variable_shapes"] += 1
         if _dispatch_param_gather(self.model):
             self.inst.calls["pp.param_gather_at_start"] += 1
         observe = self.inst.pp_observer
@@ -259,16 +282,44 @@ class _Run:
             tag = tags.tag("pp.stage", 0)
             if c.op == SEND:
                 tensor = (self.outputs[c.mb][0] if c.kind == ACT else self.in_grads.pop(c.mb))
+                if self.mb_shapes is not None and tuple(tensor.shape) != self.mb_shapes[c.mb]:
+                    raise RuntimeError(
+                        f"megatron-overlap pipeline stage {self.stage}: {c} is a tensor of shape "
+                        f"{tuple(tensor.shape)}; micro-batch {c.mb}'s {self.rows[c.mb]} rows give "
+                        f"{self.mb_shapes[c.mb]}, which the peer stage receives")
                 self.buffers[c] = tensor
                 ops.append(dist.P2POp(dist.isend, tensor, peer, self.pp_group, tag))
             else:
-                shape = self.recv_shape if c.kind == ACT else self.send_shape
+                shape = (self.mb_shapes[c.mb] if self.mb_shapes is not None else
+                         self.recv_shape if c.kind == ACT else self.send_shape)
                 buf = torch.empty(shape, dtype=self.config.pipeline_dtype, device=self.device, requires_grad=True)
                 self.buffers[c] = buf
                 ops.append(dist.P2POp(dist.irecv, buf, peer, self.pp_group, tag))
         works = dist.batch_isend_irecv(ops)
         for i, c in enumerate(comms):
             self.works[c] = [works[i]] if len(works) == len(comms) else list(works)
+
+    def _agree_rows(self):
+        """Every stage runs the step's micro-batches with the rows the previous stage has (module
+        docstring): each sends its list to the next stage, which compares it with its own."""
+        mine = torch.tensor(self.rows, dtype=torch.int64, device=self.device)
+        theirs = None if self.first else torch.empty_like(mine)
+        ops = []
+        if not self.last:
+            ops.append(dist.P2POp(dist.isend, mine, dist.get_global_rank(self.pp_group, self.stage + 1),
+                                  self.pp_group, tags.tag("pp.rows", 0)))
+        if theirs is not None:
+            ops.append(dist.P2POp(dist.irecv, theirs, dist.get_global_rank(self.pp_group, self.stage - 1),
+                                  self.pp_group, tags.tag("pp.rows", 0)))
+        for work, peer in zip(dist.batch_isend_irecv(ops) if ops else [],
+                              ([self.stage + 1] if not self.last else []) + ([self.stage - 1] if not self.first else [])):
+            waits.wait(work, f"pipeline stage {self.stage}: the step's micro-batch lengths, checked with stage {peer}",
+                       self.pp_group, peer)
+        if theirs is not None and not torch.equal(theirs, mine):
+            raise RuntimeError(
+                f"megatron-overlap pipeline stage {self.stage}: this step's micro-batches have {self.rows} token rows "
+                f"here and {theirs.tolist()} on stage {self.stage - 1}; the stages of a pipeline must plan the same "
+                "step (the same documents in the same order)")
 
     def _wait(self, c):
         for work in self.works.pop(c):
@@ -382,10 +433,12 @@ def _single(x, name):
     return x
 
 
-def _refuse_unsupported(config) -> None:
-    if config.variable_seq_lengths:
-        raise OverlapConfigError("pp.mode", "sends fixed shapes between stages; `megatron.variable_seq_lengths` needs "
-                                 "Megatron's own schedule (`pp.mode` off)")
+def _refuse_unsupported(config, rows_known: bool = False) -> None:
+    """``rows_known``: the micro-batches' lengths vary and the HDP loop gave them (module docstring)."""
+    if config.variable_seq_lengths and not rows_known:
+        raise OverlapConfigError("pp.mode", "sends shapes known before the step between stages (fixed, or under "
+                                 "`hdp.enabled` each micro-batch's planned rows); `megatron.variable_seq_lengths` "
+                                 "needs Megatron's own schedule (`pp.mode` off)")
     if config.num_microbatches_with_partial_activation_checkpoints is not None:
         raise OverlapConfigError("pp.mode", "does not run Megatron's partial activation checkpointing "
                                  "(`megatron.num_layers_per_virtual_pipeline_stage` aside, "

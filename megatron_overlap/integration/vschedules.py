@@ -132,6 +132,9 @@ class _VRun(_Run):
         if adjust is not None:
             raise OverlapConfigError("pp.mode", "adjust_tensor_shapes_fn is not supported for interleaved pipelines "
                                      "(Megatron's interleaved schedule refuses it too)")
+        if self.inst.microbatch_rows is not None:  # refused at install; a loop of its own could still get here
+            raise OverlapConfigError("hdp.enabled", "runs under non-interleaved pipelines only: interleaved ones send "
+                                     "one shape for every micro-batch, HDP's vary in length")
         kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
                   config=self.config, tp_group=self.tp_group, cp_group=self.cp_group)
         shapes = self.schedules.get_tensor_shapes(**kw)
