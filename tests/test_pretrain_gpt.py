@@ -136,10 +136,10 @@ def test_plugin_refuses_megatrons_own_cp_path_clearly():
 
 
 def test_hdp_trains_packed_documents_like_data_parallelism():
-    """--hdp through pretrain_gpt.py: each sample cut into its documents, the documents longer
+    """--overlap-hdp through pretrain_gpt.py: each sample cut into its documents, the documents longer
     than one rank's 64 tokens on rings of two ranks, the losses of plain data parallelism."""
     stock = train("stock", 2, _packed(*CPU_INIT))
-    ours = train("plugin", 2, _packed("--hdp", "--hdp-max-tokens-per-rank", "64", *CPU_INIT))
+    ours = train("plugin", 2, _packed("--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64", *CPU_INIT))
     calls = ours["calls"]
     assert calls.get("hdp.step") == 2 * 5 and calls.get("hdp.ring", 0) > 0, calls  # long documents on rings
     assert calls.get("hdp.planned_ahead") == 2 * 4, calls  # every step after the first planned while one trained
@@ -149,11 +149,11 @@ def test_hdp_trains_packed_documents_like_data_parallelism():
 
 
 def test_hdp_with_pipeline_parallelism_trains_like_data_parallelism():
-    """--hdp --hdp-mode pp at PP=2 x DP=2 on 4 ranks under Megatron's own 1F1B: every stage plans
+    """--overlap-hdp at PP=2 x DP=2 (the scheduler's pp mode, from the pipeline size) on 4 ranks under Megatron's own 1F1B: every stage plans
     the same slots, rings run between the two pipelines at the same stage, the stages exchange each
     micro-batch's shape; the losses of stock PP=2 x DP=2 on the same documents within 1e-5."""
     stock = train("stock", 4, PP2 + _packed())
-    ours = train("plugin", 4, PP2 + _packed("--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp"))
+    ours = train("plugin", 4, PP2 + _packed("--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64"))
     calls = ours["calls"]
     assert calls.get("hdp.step") == 4 * 5 and calls.get("hdp.ring", 0) > 0, calls
     for a, b in zip(ours["losses"], stock["losses"]):
@@ -161,14 +161,14 @@ def test_hdp_with_pipeline_parallelism_trains_like_data_parallelism():
 
 
 def test_hdp_with_tensor_parallelism_trains_like_data_parallelism():
-    """--hdp at TP=2 x DP=2 on 4 ranks (each HDP rank a TP group with the TP-overlap linears,
+    """--overlap-hdp at TP=2 x DP=2 on 4 ranks (each HDP rank a TP group with the TP-overlap linears,
     rings between the groups of one TP rank): TP rank 0 reads the documents and hands them to its
     group, every TP rank plans the same step, and the losses are plain DP=2's at TP=1 within 1e-5
     (CPU initialisation: the same weights at every TP size). With an evaluation every 2 steps:
     the script passes no iterator on TP rank 1, for training and validation alike, and the
     evaluation (planned inline) must not take the training step read ahead."""
     stock = train("stock", 2, _with_evaluation(_packed(*CPU_INIT)))
-    ours = train("plugin", 4, TP2 + _with_evaluation(_packed("--hdp", "--hdp-max-tokens-per-rank", "64",
+    ours = train("plugin", 4, TP2 + _with_evaluation(_packed("--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64",
                                                              "--overlap-tp", "p2p", *CPU_INIT)))
     calls = ours["calls"]
     assert calls.get("hdp.step") == 4 * (5 + 3) and calls.get("hdp.ring", 0) > 0 and calls.get("tp.column", 0) > 0, \

@@ -90,7 +90,7 @@ def make_executor(inst):
                          force_all_reduce=False, **unknown):
         if unknown:
             raise OverlapConfigError("pp.mode", f"runs a schedule that does not take {sorted(unknown)} (a newer "
-                                     "megatron-core?): use `pp.mode` off")
+                                     "megatron-core?): use `pp.mode` megatron")
         inst.calls[f"pp.{inst.config.pp.mode}"] += 1
         run = _Run(inst, schedules, with_model_type, forward_step_func, data_iterator, model, num_microbatches,
                    forward_only, collect_non_loss_data, first_val_step, p2p_communicator, pg_collection)
@@ -120,7 +120,7 @@ class _Run:
         _refuse_unsupported(config)
         if pg_collection is not None and not hasattr(pg_collection, "tp"):
             raise OverlapConfigError("pp.mode", "runs single-module pipelines; a multi-module process-group "
-                                     "collection needs Megatron's own schedule (`pp.mode` off)")
+                                     "collection needs Megatron's own schedule (`pp.mode` megatron)")
         if p2p_communicator is not None:
             self.pp_group = p2p_communicator.pp_group
         elif pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
@@ -147,7 +147,7 @@ class _Run:
             recv, send = adjust(recv, send)
         if len(recv) != 1 or len(send) != 1:
             raise OverlapConfigError("pp.mode", f"sends one tensor between stages; this model sends {len(send)} "
-                                     "(encoder-decoder or adjusted shapes): use `pp.mode` off")
+                                     "(encoder-decoder or adjusted shapes): use `pp.mode` megatron")
         self.recv_shape, self.send_shape = tuple(recv[0]), tuple(send[0])
         pp = self.inst.config.pp
         inflight = _inflight(pp, self.p, self.m, self.config, seq_length, micro_batch_size)
@@ -385,14 +385,14 @@ def _single(x, name):
 def _refuse_unsupported(config) -> None:
     if config.variable_seq_lengths:
         raise OverlapConfigError("pp.mode", "sends fixed shapes between stages; `megatron.variable_seq_lengths` needs "
-                                 "Megatron's own schedule (`pp.mode` off)")
+                                 "Megatron's own schedule (`pp.mode` megatron)")
     if config.num_microbatches_with_partial_activation_checkpoints is not None:
         raise OverlapConfigError("pp.mode", "does not run Megatron's partial activation checkpointing "
                                  "(`megatron.num_layers_per_virtual_pipeline_stage` aside, "
                                  "`megatron.num_microbatches_with_partial_activation_checkpoints`): unset it or use "
-                                 "`pp.mode` off")
+                                 "`pp.mode` megatron")
     if getattr(config, "fine_grained_activation_offloading", False):
-        raise OverlapConfigError("pp.mode", "does not run with fine-grained activation offloading; use `pp.mode` off")
+        raise OverlapConfigError("pp.mode", "does not run with fine-grained activation offloading; use `pp.mode` megatron")
 
 
 def _default_collection(run):

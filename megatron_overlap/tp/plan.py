@@ -9,7 +9,7 @@ The planner owns every rule that picks one:
 
 - the built-in chunk rule (:func:`chunks_per_rank`), tapered when it chooses, uniform when the
   user set ``--overlap-tp-chunks``;
-- ``--overlap-autotune`` / ``--overlap-plan`` (:class:`.autotune.PlanTuner`), once per shape;
+- ``--overlap-tp-autotune`` / ``--overlap-tp-plan-file`` (:class:`.autotune.PlanTuner`), once per shape;
 - ``--overlap-tp auto``, which is resolved before the planner exists (:func:`resolve_backend`),
   so the planner only ever sees a concrete backend.
 """
@@ -80,7 +80,7 @@ def tokens_per_row(x: torch.Tensor) -> int:
 class TPPlanner:
     """The plans of one installation (module docstring). ``tp``: the config's TP section with a
     concrete mode; ``backend``: the backend object the plans run on; ``tuner``: a
-    :class:`.autotune.PlanTuner` for ``--overlap-autotune`` / ``--overlap-plan``, or None."""
+    :class:`.autotune.PlanTuner` for ``--overlap-tp-autotune`` / ``--overlap-tp-plan-file``, or None."""
 
     def __init__(self, tp, backend, tuner=None):
         if tp.mode == "auto":
