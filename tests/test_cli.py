@@ -222,6 +222,10 @@ def test_demo_end_to_end(tmp_path):
     assert (traces / "timeline.png").stat().st_size > 10_000
     assert report.stdout.count("iter2.overlap") == world
     assert out.stdout.startswith("megatron-overlap demo: TP=2")
+    # ours is the cost model's pick for this CPU and link (issue 34), said with the flags it ran
+    choice = json.loads((tmp_path / "result.json").read_text())["choice"]
+    assert choice["why"].startswith("the cost model's pick for this CPU") and "stock" in choice["predicted_ms"]
+    assert f"ours ran: {choice['mode']} ({choice['flags']}): the cost model's pick" in out.stdout
 
 
 def test_bench_mlp_smoke():
@@ -374,6 +378,9 @@ def test_demo_layout_is_one_rank_per_core_and_says_so():
     (["--overlap-hdp", "--tp", "4"],
      "demo --overlap-hdp runs 4 ranks as TP 1 x HDP 4 or TP 2 x HDP 2; --tp 4 is neither"),
     (["--cp", "2", "--overlap-tp-chunks", "4"], "runs with TP=1 (no TP overlap), so --overlap-tp-chunks"),
+    (["--cp", "2", "--overlap-tp-sub-batches", "2"], "runs with TP=1 (no TP overlap), so --overlap-tp-sub-batches"),
+    (["--overlap-tp-sub-batches", "0"], "demo: --overlap-tp-sub-batches must be a whole number >= 1, got 0"),
+    (["--pp", "2", "--overlap-tp-sub-batches", "2"], "does not read --overlap-tp-sub-batches"),
     (["--overlap-hdp", "--cluster", "2x2", "--micro-batches", "4"], "does not read --cluster, --micro-batches"),
     (["--cluster", "2by2"], "--cluster '2by2': give PPxDP"),
     (["--cluster", "2x2x4", "--micro-batches", "4"], "gives the micro-batches too"),

@@ -45,7 +45,8 @@ def check_config(cfg: DemoConfig) -> None:
 
     counts("demo", ranks=(cfg.world, 1), tp=(cfg.tp, 1), cp=(cfg.cp, 1), steps=(cfg.steps, 1),
            warmup=(cfg.warmup, 0), seq=(cfg.seq, 1), hidden=(cfg.hidden, 1), layers=(cfg.layers, 1),
-           overlap_tp_chunks=(cfg.chunks, 0), overlap_cp_a2a_size=(cfg.cp_a2a_size, 0))
+           overlap_tp_chunks=(cfg.chunks, 0), overlap_cp_a2a_size=(cfg.cp_a2a_size, 0),
+           **({} if cfg.sub_batches == "auto" else {"overlap_tp_sub_batches": (cfg.sub_batches, 1)}))
     amounts("demo", ("comm_ratio",), bandwidth_GBps=cfg.bandwidth_GBps, comm_ratio=cfg.comm_ratio,
             latency_us=cfg.latency_us)
     if cfg.world % (cfg.tp * cfg.cp):
@@ -85,10 +86,11 @@ def cpu_cores() -> int:
 # Flags that only the TP / CP demo reads (dest names), and those that only TP overlap reads.
 TRAINING_FLAGS = ("steps", "warmup", "world", "tp", "seq", "hidden", "layers", "bandwidth_GBps", "comm_ratio",
                   "cluster", "cluster_microbatches", "cluster_model", "latency_us", "chunks", "rs", "bidirectional",
-                  "cp", "overlap_cp", "cp_a2a_size", "timeline", "out", "trace_dir")
-_TP_FLAGS = ("chunks", "rs", "bidirectional")
+                  "sub_batches", "cp", "overlap_cp", "cp_a2a_size", "timeline", "out", "trace_dir")
+_TP_FLAGS = ("chunks", "rs", "bidirectional", "sub_batches")
 _FLAG_OF = {"world": "--ranks", "bandwidth_GBps": "--bandwidth-GBps", "cluster_microbatches": "--micro-batches",
             "chunks": "--overlap-tp-chunks", "rs": "--overlap-tp-rs", "bidirectional": "--overlap-tp-bidirectional",
+            "sub_batches": "--overlap-tp-sub-batches",
             "cp_a2a_size": "--overlap-cp-a2a-size", "trace_dir": "--trace", "hdp": "--overlap-hdp",
             "hdp_capacity": "--overlap-hdp-max-tokens-per-rank"}
 
@@ -125,6 +127,10 @@ def refuse_unused(args) -> None:
                              "nothing; drop it or add --tp 2")
 
 
+def _sub_batches(text: str):
+    return text if text == "auto" else int(text)
+
+
 def add_demo_args(parser: argparse.ArgumentParser):
     d = DemoConfig()
     # None defaults: a mode can tell a flag the user gave from one it did not (and refuse it)
@@ -145,6 +151,9 @@ def add_demo_args(parser: argparse.ArgumentParser):
     parser.add_argument("--overlap-tp-chunks", dest="chunks", type=int, default=None)
     parser.add_argument("--overlap-tp-rs", dest="rs", choices=("ring", "a2a"), default=None)
     parser.add_argument("--overlap-tp-bidirectional", dest="bidirectional", action="store_true", default=None)
+    parser.add_argument("--overlap-tp-sub-batches", dest="sub_batches", type=_sub_batches, default=None, metavar="N|auto",
+                        help="ours: each attention and MLP block cut into N sub-batches; auto (default): the cost "
+                        "model's pick for this CPU and link, N in 1-3 or stock; 1: per-op overlap (stock's bits)")
     parser.add_argument("--cp", type=int, default=None,
                         help="context-parallel size: CP on Megatron's local attention through --overlap-cp")
     parser.add_argument("--overlap-cp", dest="overlap_cp", choices=("ring", "a2a", "hybrid"), default=None)
