@@ -217,6 +217,8 @@ def deprecated_action(base: type, old: str, new: str | None):
     ``new`` None it stores nothing."""
 
     class Deprecated(base):
+        spelling = (old, new)  # read by scripts/flags_doc.py
+
         def __call__(self, parser, namespace, values, option_string=None):
             deprecation(old, new, _IGNORED_WHY.get(old, ""))
             if new is not None:

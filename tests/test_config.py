@@ -54,7 +54,7 @@ def test_flag_set_is_pinned():
         "--overlap-pp-max-inflight",
         "--overlap-pp-memory-budget",
         "--overlap-pp-buckets",  # issue 23: DDP buckets on every stage and chunk of a virtual pipeline
-        "--overlap-timeout-s",  # issue 25: bounds the plugin's own waits (README "Failures that say where")
+        "--overlap-timeout-s",  # issue 25: bounds the plugin's own waits (docs/failures.md)
     }
 
 

@@ -149,7 +149,8 @@ def test_hdp_trains_packed_documents_like_data_parallelism():
 
 
 def test_hdp_with_pipeline_parallelism_trains_like_data_parallelism():
-    """--overlap-hdp at PP=2 x DP=2 (the scheduler's pp mode, from the pipeline size) on 4 ranks under Megatron's own 1F1B: every stage plans
+    """--overlap-hdp at PP=2 x DP=2 on 4 ranks (the scheduler's pp mode, from the pipeline size)
+    under Megatron's own 1F1B: every stage plans
     the same slots, rings run between the two pipelines at the same stage, the stages exchange each
     micro-batch's shape; the losses of stock PP=2 x DP=2 on the same documents within 1e-5."""
     stock = train("stock", 4, PP2 + _packed())

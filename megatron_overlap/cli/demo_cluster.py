@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 DEFAULT = (8, 2, 8)  # PP x DP, micro-batches
+OLD_SPELLINGS = (("--cluster PPxDPxM", "--cluster PPxDP --micro-batches M"),)  # still read, with a warning
 
 
 def parse_cluster(text: str, microbatches: Optional[int] = None) -> Optional[tuple]:
@@ -36,7 +37,7 @@ def parse_cluster(text: str, microbatches: Optional[int] = None) -> Optional[tup
         if microbatches is not None:
             raise SystemExit(f"demo: --cluster {text!r} gives the micro-batches too; drop --micro-batches or give "
                              "--cluster PPxDP")
-        deprecation("--cluster PPxDPxM", "--cluster PPxDP --micro-batches M")
+        deprecation(*OLD_SPELLINGS[0])
         return tuple(sizes)
     return sizes[0], sizes[1], DEFAULT[2] if microbatches is None else microbatches
 

@@ -30,7 +30,7 @@ class DemoConfig:
     bandwidth_GBps: float = 0.0  # 0: calibrate (TP transfer time = comm_ratio x GEMM time)
     comm_ratio: float = 1.25  # transfers = 1.25 x the GEMMs: stock then waits ~40% of its step (BENCHMARKS.md)
     latency_us: float = 20.0
-    chunks: int = 4  # 2 pieces of 256 rows per rank: bit-identical on every BLAS seen here (README, Numerics)
+    chunks: int = 4  # 2 pieces of 256 rows per rank: stock's bits on every BLAS seen (docs/tp-overlap.md)
     rs: str = "ring"
     bidirectional: bool = False
     sub_batches: object = "auto"  # --overlap-tp-sub-batches of ours: a count, or auto (lab/demo_plan.py picks)

@@ -59,7 +59,7 @@ def resolve_backend(tp) -> str:
     else ``p2p``; any other mode is itself. ``auto`` honours an explicit decomposition
     (``--overlap-tp-chunks`` / ``-rs`` / ``-bidirectional``): it then only chooses among backends
     that take it, i.e. ``p2p``. ``fused`` is never picked automatically while the measured
-    figures say it is slower than stock (README)."""
+    figures say it is slower than stock (docs/tp-overlap.md)."""
     if tp.mode != "auto":
         return tp.mode
     from .backends import symm_mem
