@@ -323,7 +323,7 @@ def _dispatch_param_gather(model) -> bool:
             "still in flight from an earlier step that no forward pre-hook waited for (Megatron DDP's state is not "
             "what the schedule expects: hooks switched off and on outside Megatron-LM's loop?). Re-enable the "
             "hooks with `model.enable_forward_pre_hook()` only after the gathers finished, or drop "
-            "`megatron.overlap_param_gather`, or run Megatron's own schedule (`pp.mode` off)"))
+            "`megatron.overlap_param_gather`, or run Megatron's own schedule (`pp.mode` megatron)"))
     groups[-1].start_param_sync()
     return True
 
