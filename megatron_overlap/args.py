@@ -3,17 +3,22 @@
 ``add_overlap_args`` is usable as Megatron's ``extra_args_provider``. Every flag the plugin adds
 is in ``_FLAGS``, pinned by tests/test_config.py so none appears by accident and none collides
 with Megatron-LM's own. Errors name config fields (``tp.chunks``); :func:`flag_for` is where
-they become flags.
+they become flags. Every flag starts ``--overlap-`` and names the parallelism it tunes
+(``--overlap-tp-*``, ``--overlap-cp-*``, ``--overlap-hdp-*``, ``--overlap-pp-*``); the old
+spellings in ``DEPRECATED`` still work and warn once (:func:`deprecation`). docs/flags.md is
+generated from this table (scripts/flags_doc.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import warnings
 
 from . import rules
 from .cp import CP_MODES
 from .errors import OverlapConfigError
-from .hdp import MODES as HDP_MODES
 from .pp import BUCKETS as PP_BUCKETS, MODES as PP_MODES
 from .tp import RS_ALGOS, TP_MODES, check_chunks
 
@@ -52,6 +57,21 @@ def _amount(field: str, unit: str, high: float):
     return _argparse_rule(lambda text: rules.positive_finite(text, field, unit, high))
 
 
+# --overlap-pp's choices: the config keeps "off" for Megatron's schedule (``PPConfig.mode``)
+PP_CHOICES = ("megatron",) + tuple(m for m in PP_MODES if m != "off")
+
+
+def _pp_mode(text: str) -> str:
+    """``--overlap-pp``: ``megatron`` is Megatron's own schedule (the config's ``off``); ``off``
+    is its deprecated spelling."""
+    if text == "off":
+        deprecation("--overlap-pp off", "--overlap-pp megatron")
+        return "off"
+    if text not in PP_CHOICES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(PP_CHOICES)})")
+    return "off" if text == "megatron" else text
+
+
 # None defaults on the flags that depend on another: they let the config tell "given while
 # that other flag is off" (a conflict) from "not given".
 _FLAGS = (  # (flag, config field, argparse keywords)
@@ -80,14 +100,14 @@ _FLAGS = (  # (flag, config field, argparse keywords)
     ("--overlap-tp-bidirectional", "tp.bidirectional", dict(
         action="store_true", default=None,
         help="Split each chunk in two halves travelling both ways round the ring.")),
-    ("--overlap-autotune", "tp.autotune", dict(
+    ("--overlap-tp-autotune", "tp.autotune", dict(
         action="store_true", default=None,
-        help="Measure the candidate decompositions (chunks per rank, reduce-scatter algorithm) of each distinct "
+        help="TP overlap: measure the candidate decompositions (chunks per rank, reduce-scatter algorithm) of each distinct "
         "linear shape on the real TP group the first time it runs; every rank takes the same pick; cached on "
         "disk (~/.cache/megatron_overlap/tp_plans.json) for the next start.")),
-    ("--overlap-plan", "tp.plan_file", dict(
+    ("--overlap-tp-plan-file", "tp.plan_file", dict(
         default=None, metavar="FILE",
-        help="Load the decompositions from FILE (the autotuner's cache format: {shape key: 'c4t-ring' | "
+        help="TP overlap: load the decompositions from FILE (the autotuner's cache format: {shape key: 'c4t-ring' | "
         "{'choice': ...}}; a 'default' key applies to every other shape).")),
     ("--overlap-trace", "trace.dir", dict(
         default=None, metavar="DIR",
@@ -107,27 +127,25 @@ _FLAGS = (  # (flag, config field, argparse keywords)
     ("--overlap-cp-a2a-size", "cp.a2a_size", dict(
         type=_count("cp.a2a_size", 1, "a whole number of ranks"), default=None, metavar="U",
         help="All-to-all group size of --overlap-cp hybrid (divides the context-parallel size).")),
-    ("--hdp", "hdp.enabled", dict(
+    ("--overlap-hdp", "hdp.enabled", dict(
         action="store_true", default=False,
         help="Hybrid data parallelism: all data-parallel ranks form one group; each sequence gets the fewest "
-        "ranks that hold it (ceil(L / C), a ring over those ranks) and work is balanced across ranks. Needs "
-        "--context-parallel-size 1, --transformer-impl local, packed variable-length data.")),
-    ("--hdp-max-tokens-per-rank", "hdp.max_tokens", dict(
+        "ranks that hold it (ceil(L / C), a ring over those ranks) and work is balanced across ranks. With "
+        "--pipeline-model-parallel-size > 1 every rank runs the same number of micro-batches (similar lengths at "
+        "each index) under Megatron's 1F1B. Needs --context-parallel-size 1, --transformer-impl local, packed "
+        "variable-length data; not with Megatron's --hybrid-context-parallel.")),
+    ("--overlap-hdp-max-tokens-per-rank", "hdp.max_tokens", dict(
         type=_count("hdp.max_tokens", 1, "a whole number of tokens"), default=None, metavar="C",
-        help="Tokens one rank holds in one micro-batch under --hdp (padding included).")),
-    ("--hdp-mode", "hdp.mode", dict(
-        choices=HDP_MODES, default=None,
-        help="dp (default): balance each rank's total work per step; pp: sequences of similar length share a "
-        "micro-batch index on every rank (scheduler only so far: the runtime refuses PP > 1).")),
+        help="Tokens one rank holds in one micro-batch under --overlap-hdp (padding included).")),
     ("--overlap-pp", "pp.mode", dict(
-        choices=PP_MODES, default="off",
-        help="Pipeline schedule for --pipeline-model-parallel-size > 1. 1f1b: Megatron's order "
-        "with every stage-to-stage transfer posted early and waited just before use; zb: zero bubble, each "
-        "backward split into its input gradient (B) and its weight gradients (W, run where the stage would "
-        "wait; ZB-H1's memory); with a virtual pipeline both take Megatron's interleaved placement; zbv: ZB-V, "
-        "exactly 2 model chunks per stage in a V (virtual pipelines only); auto: zb where the weight gradients "
-        "can be deferred, else 1f1b (with a virtual pipeline: the cost model's fastest of stock interleaved, zb, "
-        "zbv). off: Megatron's schedule.")),
+        type=_pp_mode, default="megatron", metavar="{" + ",".join(PP_CHOICES) + "}",
+        help="Pipeline schedule for --pipeline-model-parallel-size > 1. megatron (default): Megatron's own "
+        "schedule, nothing patched. Ours: 1f1b: Megatron's order with every stage-to-stage transfer posted early "
+        "and waited just before use; zb: zero bubble, each backward split into its input gradient (B) and its "
+        "weight gradients (W, run where the stage would wait; ZB-H1's memory); with a virtual pipeline both take "
+        "Megatron's interleaved placement; zbv: ZB-V, exactly 2 model chunks per stage in a V (virtual "
+        "pipelines only); auto: zb where the weight gradients can be deferred, else 1f1b (with a virtual "
+        "pipeline: the cost model's fastest of Megatron's interleaved schedule, zb, zbv).")),
     ("--overlap-pp-max-inflight", "pp.max_inflight", dict(
         type=_count("pp.max_inflight", 2, "a whole number of micro-batches"), default=None, metavar="K",
         help="Micro-batches forwarded by the first stage before its first backward, K in [PP size, number of "
@@ -156,6 +174,67 @@ _FLAGS = (  # (flag, config field, argparse keywords)
 
 FLAGS = tuple(flag for flag, _field, _kw in _FLAGS)
 FIELDS = {field: flag for flag, field, _kw in _FLAGS}  # config field -> flag
+
+# Old spellings (issue 34's flag pass), each still accepted and warning once: old -> new
+# (None: ignored, the setting is derived). Pinned by tests/test_config.py.
+DEPRECATED = {
+    "--overlap-autotune": "--overlap-tp-autotune",
+    "--overlap-plan": "--overlap-tp-plan-file",
+    "--hdp": "--overlap-hdp",
+    "--hdp-max-tokens-per-rank": "--overlap-hdp-max-tokens-per-rank",
+    "--hdp-mode": None,
+}
+DEPRECATED_VALUES = {("--overlap-pp", "off"): "megatron"}  # flag, old value -> new value
+_IGNORED_WHY = {
+    "--hdp-mode": "HDP's mode follows --pipeline-model-parallel-size (every rank the same micro-batch count with a "
+                  "pipeline, whole steps balanced without one)",
+}
+
+
+def deprecation(old: str, new: str | None, why: str = "") -> None:
+    """Warn that ``old`` is an old spelling (``new``: what to write instead; None: it is ignored),
+    once per process (Python's ``default`` warning filter shows one per message) and on rank 0 only
+    (Megatron parses its arguments on every rank, before torch.distributed starts)."""
+    if not _rank_zero():
+        return
+    text = (f"megatron-overlap: {old} is deprecated; use {new}" if new else
+            f"megatron-overlap: {old} is deprecated and ignored: {why}")
+    frame, level = sys._getframe(1), 2  # attributed to the code that parsed (past argparse and this file)
+    while frame is not None and frame.f_code.co_filename in (__file__, argparse.__file__):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(text, FutureWarning, stacklevel=level)
+
+
+def _rank_zero() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def deprecated_action(base: type, old: str, new: str | None):
+    """``base`` (an argparse action class) that first warns that ``old`` is deprecated; with
+    ``new`` None it stores nothing."""
+
+    class Deprecated(base):
+        spelling = (old, new)  # read by scripts/flags_doc.py
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            deprecation(old, new, _IGNORED_WHY.get(old, ""))
+            if new is not None:
+                super().__call__(parser, namespace, values, option_string)
+
+    return Deprecated
+
+
+def add_alias(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Add ``old`` to ``parser`` as a deprecated spelling of its flag ``new``: the same value in
+    the same place, hidden from ``--help``, warning once (the commands' own flags use it too)."""
+    action = next(a for a in parser._actions if new in a.option_strings)
+    keywords = dict(dest=action.dest, help=argparse.SUPPRESS, default=argparse.SUPPRESS)
+    if action.nargs != 0:  # a value: taken the same way
+        keywords.update(type=action.type, choices=action.choices, metavar=action.metavar, nargs=action.nargs)
+    parser.add_argument(old, action=deprecated_action(type(action), old, new), **keywords)
 
 
 # Megatron settings whose flag is not ``--<name with dashes>``: megatron-core dataclass fields
@@ -197,6 +276,12 @@ def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group = parser.add_argument_group("megatron-overlap", "Hide the communication of 4D parallelism behind compute.")
     for flag, _field, keywords in _FLAGS:
         group.add_argument(flag, **keywords)
+    for old, new in DEPRECATED.items():
+        if new is not None:
+            add_alias(group, old, new)
+        else:  # ignored: takes its value, stores nothing
+            group.add_argument(old, action=deprecated_action(argparse.Action, old, None), help=argparse.SUPPRESS,
+                               dest=argparse.SUPPRESS, default=argparse.SUPPRESS, metavar="X")
     return parser
 
 

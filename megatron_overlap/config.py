@@ -20,7 +20,6 @@ from .args import flag_for
 from .context import MEGATRON_PP_FLAGS, ModelContext  # noqa: F401  (re-exported: its home was here)
 from .cp import CP_MODES
 from .errors import OverlapConfigError
-from .hdp import MODES as HDP_MODES
 from .pp import BUCKETS as PP_BUCKETS, MODES as PP_MODES
 from .tp import MAX_CHUNKS, RS_ALGOS, TP_MODES, check_chunks, check_sub_batches
 
@@ -155,24 +154,20 @@ class CPConfig(_Section):
 
 @dataclass(frozen=True)
 class HDPConfig(_Section):
-    """Hybrid data parallelism: one DP x CP group, a ring per sequence, work balanced."""
+    """Hybrid data parallelism: one DP x CP group, a ring per sequence, work balanced. Its
+    scheduler's mode is not a setting: under a pipeline every rank runs the same number of
+    micro-batches (``pp``), without one whole steps are balanced (``dp``); ``integration/hdp.py``
+    reads the pipeline size."""
 
     enabled: bool = False
     max_tokens: Optional[int] = None
     """Tokens one rank holds in one micro-batch, padding included (C)."""
 
-    mode: str = "dp"
-    """``dp``: balance each rank's total work per step; ``pp``: sequences of similar length share a
-    micro-batch index on every rank (for pipelines)."""
-
     explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
 
     def __post_init__(self):
-        if self.mode not in HDP_MODES:
-            raise OverlapConfigError("hdp.mode", f"unknown mode {self.mode!r}; choose dp or pp")
-        if not self.enabled and self.explicit & {"max_tokens", "mode"}:
-            raise OverlapConfigError("hdp.max_tokens" if "max_tokens" in self.explicit else "hdp.mode",
-                                     "only applies with `hdp.enabled`; add `hdp.enabled`, or drop it")
+        if not self.enabled and "max_tokens" in self.explicit:
+            raise OverlapConfigError("hdp.max_tokens", "only applies with `hdp.enabled`; add `hdp.enabled`, or drop it")
         if not self.enabled:
             return
         if self.max_tokens is None:
@@ -184,8 +179,7 @@ class HDPConfig(_Section):
     def flags(self) -> list:
         if not self.enabled:
             return []
-        return [flag_for("hdp.enabled"), flag_for("hdp.max_tokens"), str(self.max_tokens),
-                flag_for("hdp.mode"), self.mode]
+        return [flag_for("hdp.enabled"), flag_for("hdp.max_tokens"), str(self.max_tokens)]
 
 
 @dataclass(frozen=True)
@@ -193,9 +187,10 @@ class PPConfig(_Section):
     """The pipeline schedule (``pp``)."""
 
     mode: str = "off"
-    """``off`` (Megatron's 1F1B), ``1f1b`` (same order, transfers asynchronous), ``zb`` (backward
-    split into B and W, ZB-H1), ``zbv`` (ZB-V: two model chunks per stage in a V, split),
-    ``auto`` (``zb`` where W can be deferred, else ``1f1b``)."""
+    """``off`` (Megatron's own schedule; ``--overlap-pp megatron``, and ``megatron`` is taken here
+    too), ``1f1b`` (same order, transfers asynchronous), ``zb`` (backward split into B and W,
+    ZB-H1), ``zbv`` (ZB-V: two model chunks per stage in a V, split), ``auto`` (``zb`` where W can
+    be deferred, else ``1f1b``)."""
 
     max_inflight: Optional[int] = None
     """Micro-batches the first stage forwards before its first backward (None: the PP size)."""
@@ -211,8 +206,11 @@ class PPConfig(_Section):
     explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
 
     def __post_init__(self):
+        if self.mode == "megatron":  # the flag's name for Megatron's schedule
+            object.__setattr__(self, "mode", "off")
         if self.mode not in PP_MODES:
-            raise OverlapConfigError("pp.mode", f"unknown mode {self.mode!r}; choose one of {', '.join(PP_MODES)}")
+            raise OverlapConfigError("pp.mode", f"unknown mode {self.mode!r}; choose one of megatron, "
+                                     f"{', '.join(m for m in PP_MODES if m != 'off')}")
         if self.buckets not in PP_BUCKETS:
             raise OverlapConfigError("pp.buckets", f"unknown layout {self.buckets!r}; choose one of "
                                      f"{', '.join(PP_BUCKETS)}")
@@ -344,16 +342,16 @@ class OverlapConfig:
                             "megatron_overlap.add_overlap_args (or pass it as Megatron's extra_args_provider)")
         get = lambda name: getattr(args, name, None)  # noqa: E731
         tp_dests = dict(chunks="overlap_tp_chunks", rs="overlap_tp_rs", bidirectional="overlap_tp_bidirectional",
-                        autotune="overlap_autotune", plan_file="overlap_plan", sub_batches="overlap_tp_sub_batches")
+                        autotune="overlap_tp_autotune", plan_file="overlap_tp_plan_file",
+                        sub_batches="overlap_tp_sub_batches")
         tp = TPConfig(mode=args.overlap_tp, chunks=_default(get("overlap_tp_chunks"), 0),
                       sub_batches=_default(get("overlap_tp_sub_batches"), 1),
                       rs=_default(get("overlap_tp_rs"), "ring"), bidirectional=bool(get("overlap_tp_bidirectional")),
-                      autotune=bool(get("overlap_autotune")), plan_file=get("overlap_plan"),
+                      autotune=bool(get("overlap_tp_autotune")), plan_file=get("overlap_tp_plan_file"),
                       explicit=frozenset(n for n, dest in tp_dests.items() if get(dest) is not None))
-        hdp = HDPConfig(enabled=bool(get("hdp")), max_tokens=get("hdp_max_tokens_per_rank"),
-                        mode=get("hdp_mode") or "dp",
-                        explicit=frozenset(n for n, dest in (("max_tokens", "hdp_max_tokens_per_rank"),
-                                                             ("mode", "hdp_mode")) if get(dest) is not None))
+        hdp = HDPConfig(enabled=bool(get("overlap_hdp")), max_tokens=get("overlap_hdp_max_tokens_per_rank"),
+                        explicit=frozenset({"max_tokens"} if get("overlap_hdp_max_tokens_per_rank") is not None
+                                           else ()))
         pp = PPConfig(mode=get("overlap_pp") or "off", max_inflight=get("overlap_pp_max_inflight"),
                       memory_budget_gb=get("overlap_pp_memory_budget"), buckets=get("overlap_pp_buckets") or "megatron",
                       explicit=frozenset(n for n, dest in (("max_inflight", "overlap_pp_max_inflight"),

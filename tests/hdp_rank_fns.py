@@ -19,12 +19,12 @@ VOCAB = 512
 
 
 def _install(capacity: int):
-    """Install --hdp; returns the installation (its config builds the runtime)."""
+    """Install --overlap-hdp; returns the installation (its config builds the runtime)."""
     import megatron_overlap
 
     megatron_overlap.uninstall()
     return megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(
-        ["--hdp", "--hdp-max-tokens-per-rank", str(capacity)]))
+        ["--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", str(capacity)]))
 
 
 def _uninstall():
@@ -204,7 +204,7 @@ def exactness_tp(seed: int) -> dict:
     init_parallel(2, seed=seed)
     megatron_overlap.uninstall()
     installation = megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(
-        ["--hdp", "--hdp-max-tokens-per-rank", str(TP_CAPACITY), "--overlap-tp", "p2p"]))
+        ["--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", str(TP_CAPACITY), "--overlap-tp", "p2p"]))
     try:
         samples = global_samples(seed, lengths=TP_LENGTHS)
         model = build_model("rope", seq=max(itertools.chain.from_iterable(TP_LENGTHS)) + 2, tp=2)
@@ -297,7 +297,7 @@ def runtime_errors(seed: int) -> dict:
 
 
 # PP = 2 x HDP = 2 on the 4 ranks: per pipeline (both its stages load the same samples), C = 40,
-# so 70 and 61 run on rings of the two pipelines' stages, the rest whole; --hdp-mode pp.
+# so 70 and 61 run on rings of the two pipelines' stages, the rest whole; the scheduler's pp mode (from the pipeline size).
 PP_LENGTHS = ((70, 9, 17, 40, 3), (5, 30, 23, 61, 12))
 PP_CAPACITY = 40
 
@@ -316,7 +316,7 @@ def _pipeline_step(model, data, forward_step_func, count: int, rows: int) -> flo
 
 
 def exactness_pp(seed: int) -> dict:
-    """HDP under Megatron's own pipeline schedule (``--hdp-mode pp``): each pipeline stage's HDP
+    """HDP under Megatron's own pipeline schedule (the scheduler's ``pp`` mode, derived from PP = 2): each pipeline stage's HDP
     group is the data-parallel ranks of that stage, rings run between the pipelines at the same
     stage and micro-batch index, and every rank runs the same number of slots. Against plain
     DP x PP on the same documents: every document its own micro-batch through the same
@@ -331,7 +331,7 @@ def exactness_pp(seed: int) -> dict:
     tiny_gpt.init_parallel(1, pp=2, seed=seed)
     megatron_overlap.uninstall()
     installation = megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(
-        ["--hdp", "--hdp-max-tokens-per-rank", str(PP_CAPACITY), "--hdp-mode", "pp"]))
+        ["--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", str(PP_CAPACITY)]))
     try:
         torch.manual_seed(seed)  # the same stage weights on both pipelines
         spec = tiny_gpt.TinyGPT(seq=max(itertools.chain.from_iterable(PP_LENGTHS)) + 2, vocab=VOCAB)

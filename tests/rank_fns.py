@@ -462,7 +462,7 @@ def plan_tuner_agreement(directory: str) -> dict:
 
 
 def autotuned_layers_match_stock(tp: int, flags: list[str], cache_dir: str) -> dict:
-    """Real measurements (--overlap-autotune) or a plan file: results still equal stock's, the
+    """Real measurements (--overlap-tp-autotune) or a plan file: results still equal stock's, the
     cache holds one entry per linear shape."""
     import glob
     import json

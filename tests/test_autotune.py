@@ -1,4 +1,4 @@
-"""The plan autotuner (--overlap-autotune) and plan files (--overlap-plan)."""
+"""The plan autotuner (--overlap-tp-autotune) and plan files (--overlap-tp-plan-file)."""
 
 import json
 
@@ -28,7 +28,7 @@ def test_plan_file_formats_and_errors(tmp_path):
     assert plans["default"] == PlanChoice(2, False, "ring") and plans["column|x"].rs == "a2a"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"default": "fast"}))
-    with pytest.raises(OverlapConfigError, match="^--overlap-plan: .*entry 'default' is not a plan choice"):
+    with pytest.raises(OverlapConfigError, match="^--overlap-tp-plan-file: .*entry 'default' is not a plan choice"):
         load_plan_file(str(bad))
 
 
@@ -40,13 +40,13 @@ def test_every_rank_agrees_and_the_cache_is_reused(pool4, tmp_path):
 
 
 def test_autotuned_and_planned_layers_match_stock(pool4, tmp_path):
-    tuned = pool4.run(rank_fns.autotuned_layers_match_stock, 2, ["--overlap-tp", "p2p", "--overlap-autotune"],
+    tuned = pool4.run(rank_fns.autotuned_layers_match_stock, 2, ["--overlap-tp", "p2p", "--overlap-tp-autotune"],
                       str(tmp_path / "cache"))
     for r in tuned:
         assert r["worst"] <= 1e-6 and r["entries"] == 2, r  # fc1 and fc2: one cached pick each
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"default": "c2-ring"}))
-    planned = pool4.run(rank_fns.autotuned_layers_match_stock, 2, ["--overlap-tp", "p2p", "--overlap-plan", str(plan)],
+    planned = pool4.run(rank_fns.autotuned_layers_match_stock, 2, ["--overlap-tp", "p2p", "--overlap-tp-plan-file", str(plan)],
                         str(tmp_path / "unused"))
     for r in planned:
         assert r["worst"] <= 1e-6 and r["pieces"] == [2] and r["entries"] == 0, r
@@ -207,8 +207,8 @@ def test_fresh_cache_autotune_leaves_training_untouched(pool4, tmp_path):
     measurements draw from a private generator, never the default one dropout uses."""
     flags = ["--overlap-tp", "p2p"]
     plain = pool4.run(rank_fns.gpt_losses_with_dropout, 2, 3, flags, str(tmp_path / "none"))
-    fresh = pool4.run(rank_fns.gpt_losses_with_dropout, 2, 3, flags + ["--overlap-autotune"], str(tmp_path / "c"))
-    cached = pool4.run(rank_fns.gpt_losses_with_dropout, 2, 3, flags + ["--overlap-autotune"], str(tmp_path / "c"))
+    fresh = pool4.run(rank_fns.gpt_losses_with_dropout, 2, 3, flags + ["--overlap-tp-autotune"], str(tmp_path / "c"))
+    cached = pool4.run(rank_fns.gpt_losses_with_dropout, 2, 3, flags + ["--overlap-tp-autotune"], str(tmp_path / "c"))
     stock = pool4.run(rank_fns.gpt_losses_with_dropout, 2, 3, [], str(tmp_path / "none"))
     for p, f, c, s in zip(plain, fresh, cached, stock):
         assert f["entries"] > 0 and p["entries"] == 0, (p, f)  # the fresh run measured and wrote the cache

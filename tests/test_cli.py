@@ -43,7 +43,7 @@ def test_check_reports_versions_and_backends():
     assert info["backends"]["p2p"]["usable"] and info["gloo"]
     assert set(info["backends"]) == {"off", "p2p", "symm-mem", "fused", "auto"}
     assert not info["backends"]["symm-mem"]["usable"]  # no CUDA on the test machines
-    assert set(info["pipeline schedules"]) == {"off", "1f1b", "zb", "zbv", "auto"}
+    assert set(info["pipeline schedules"]) == {"megatron", "1f1b", "zb", "zbv", "auto"}  # --overlap-pp's choices
     assert all(e["usable"] for e in info["pipeline schedules"].values())
     assert "CP-SAT from ortools 9." in info["pipeline floor"]  # a test dependency
     text = cli("check").stdout
@@ -186,8 +186,8 @@ def test_fork_diffs_touch_only_parse_args():
 def test_demo_end_to_end(tmp_path):
     traces = tmp_path / "traces"
     out = cli("demo", "--steps", "3", "--warmup", "1", "--seq", "256", "--hidden", "256",
-              "--no-progress", "--json", "--out", str(tmp_path), "--trace", str(traces),
-              "--cluster", "2x2x4", "--cluster-model", "llama3-8b", timeout=900)
+              "--no-progress", "--json", "--timeline", str(tmp_path / "timeline.png"), "--trace", str(traces),
+              "--cluster", "2x2", "--micro-batches", "4", "--cluster-model", "llama3-8b", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result) == {"config", "link", "baseline", "overlap", "cluster", "limit_ms", "ceiling"}
@@ -222,11 +222,15 @@ def test_demo_end_to_end(tmp_path):
     assert (traces / "timeline.png").stat().st_size > 10_000
     assert report.stdout.count("iter2.overlap") == world
     assert out.stdout.startswith("megatron-overlap demo: TP=2")
+    # ours is the cost model's pick for this CPU and link (issue 34), said with the flags it ran
+    choice = json.loads((tmp_path / "result.json").read_text())["choice"]
+    assert choice["why"].startswith("the cost model's pick for this CPU") and "stock" in choice["predicted_ms"]
+    assert f"ours ran: {choice['mode']} ({choice['flags']}): the cost model's pick" in out.stdout
 
 
 def test_bench_mlp_smoke():
     out = cli("bench", "mlp", "--hidden", "64", "--ffn", "128", "--seq", "64", "--steps", "1",
-              "--warmup", "1", "--sub-batches", "2", "--no-progress", "--json", timeout=600)
+              "--warmup", "1", "--overlap-tp-sub-batches", "2", "--no-progress", "--json", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["max_rel_diff_vs_stock"] <= 1e-6 and result["sub_max_rel_diff_vs_stock"] <= 1e-6
@@ -241,7 +245,7 @@ def test_bench_layer_smoke():
     """A whole transformer layer (attention included), stock, per-op overlap and 2 sub-batches in
     the same rounds: the same bytes, gradients within 1e-6 of stock, the bounds reported."""
     out = cli("bench", "layer", "--hidden", "64", "--ffn", "128", "--heads", "4", "--seq", "64", "--steps", "1",
-              "--warmup", "1", "--sub-batches", "2", "--no-progress", "--json", timeout=600)
+              "--warmup", "1", "--overlap-tp-sub-batches", "2", "--no-progress", "--json", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["max_rel_diff_vs_stock"] <= 1e-6 and result["sub_max_rel_diff_vs_stock"] <= 1e-6
@@ -294,7 +298,8 @@ def test_bench_attention_refuses_a_bad_sequence_length():
 def test_demo_context_parallel(tmp_path, mode):
     extra = ["--overlap-cp-a2a-size", "2"] if mode == "hybrid" else []
     out = cli("demo", "--cp", "4", "--overlap-cp", mode, *extra, "--steps", "2", "--warmup", "1", "--seq", "128",
-              "--hidden", "128", "--layers", "1", "--no-progress", "--json", "--out", str(tmp_path), timeout=900)
+              "--hidden", "128", "--layers", "1", "--no-progress", "--json", "--timeline", str(tmp_path / "timeline.png"),
+              timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["config"]["world"] == 4 and result["config"]["tp"] == 1 and result["config"]["cp"] == 4
@@ -306,13 +311,13 @@ def test_demo_context_parallel(tmp_path, mode):
 
 
 def test_demo_hdp_cli():
-    """``demo --hdp``: static CP 4 and HDP on the same batch, the same loss and gradients, per-rank
+    """``demo --overlap-hdp``: static CP 4 and HDP on the same batch, the same loss and gradients, per-rank
     busy time; the runtime executes the scheduler's plans (per rank, the tokens and micro-batches
     the pure schedulers give these lengths, loaded round-robin)."""
     from megatron_overlap.hdp import schedule_hdp
     from megatron_overlap.hdp.baselines import schedule_static
 
-    out = cli("demo", "--hdp", "--no-progress", "--json", timeout=600)
+    out = cli("demo", "--overlap-hdp", "--no-progress", "--json", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["grad_rel_diff"] <= 1e-5
@@ -335,9 +340,9 @@ def test_demo_hdp_cli():
 
 
 def test_demo_hdp_with_tensor_parallelism():
-    """``demo --hdp --tp 2``: 4 ranks as TP 2 x HDP 2, each HDP rank a TP group running the
+    """``demo --overlap-hdp --tp 2``: 4 ranks as TP 2 x HDP 2, each HDP rank a TP group running the
     TP-overlap linears; static CP 2 and HDP give the same loss and gradients."""
-    out = cli("demo", "--hdp", "--tp", "2", "--no-progress", "--json", timeout=600)
+    out = cli("demo", "--overlap-hdp", "--tp", "2", "--no-progress", "--json", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     static, hdp = r["layouts"]["static"], r["layouts"]["hdp"]
@@ -359,21 +364,27 @@ def test_demo_layout_is_one_rank_per_core_and_says_so():
     assert (cfg.world, cfg.tp) == (2, 2) and "one per core" in header and "note" not in header
     cfg, header = configure(parser.parse_args([]), cores=8)
     assert (cfg.world, cfg.tp) == (4, 2) and "TP=2 x DP=2" in header
-    cfg, header = configure(parser.parse_args(["--world", "4"]), cores=2)
+    cfg, header = configure(parser.parse_args(["--ranks", "4"]), cores=2)
     assert cfg.world == 4 and "4 ranks on 2 cores" in header  # said before it runs
     cfg, _ = configure(parser.parse_args(["--cp", "4"]), cores=2)
     assert (cfg.world, cfg.tp, cfg.cp) == (4, 1, 4)
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["--hdp", "--steps", "3"], "demo --hdp runs its own batch on 4 ranks and does not read --steps"),
-    (["--hdp", "--seq", "64", "--world", "2"], "does not read --world, --seq"),
-    (["--hdp-max-tokens-per-rank", "64"], "--hdp-max-tokens-per-rank only applies with --hdp"),
-    (["--hdp", "--tp", "4"], "demo --hdp runs 4 ranks as TP 1 x HDP 4 or TP 2 x HDP 2; --tp 4 is neither"),
+    (["--overlap-hdp", "--steps", "3"], "demo --overlap-hdp runs its own batch on 4 ranks and does not read --steps"),
+    (["--overlap-hdp", "--seq", "64", "--ranks", "2"], "does not read --ranks, --seq"),
+    (["--overlap-hdp-max-tokens-per-rank", "64"],
+     "--overlap-hdp-max-tokens-per-rank only applies with --overlap-hdp"),
+    (["--overlap-hdp", "--tp", "4"],
+     "demo --overlap-hdp runs 4 ranks as TP 1 x HDP 4 or TP 2 x HDP 2; --tp 4 is neither"),
     (["--cp", "2", "--overlap-tp-chunks", "4"], "runs with TP=1 (no TP overlap), so --overlap-tp-chunks"),
-    (["--hdp", "--cluster", "2x2x4"], "does not read --cluster"),
-    (["--cluster", "2by2"], "--cluster '2by2': give PPxDPxM"),
-    (["--cluster", "32x4x32"], "128 emulated ranks (PP 32 x DP 4) is more than this machine holds"),
+    (["--cp", "2", "--overlap-tp-sub-batches", "2"], "runs with TP=1 (no TP overlap), so --overlap-tp-sub-batches"),
+    (["--overlap-tp-sub-batches", "0"], "demo: --overlap-tp-sub-batches must be a whole number >= 1, got 0"),
+    (["--pp", "2", "--overlap-tp-sub-batches", "2"], "does not read --overlap-tp-sub-batches"),
+    (["--overlap-hdp", "--cluster", "2x2", "--micro-batches", "4"], "does not read --cluster, --micro-batches"),
+    (["--cluster", "2by2"], "--cluster '2by2': give PPxDP"),
+    (["--cluster", "2x2x4", "--micro-batches", "4"], "gives the micro-batches too"),
+    (["--cluster", "32x4", "--micro-batches", "32"], "128 emulated ranks (PP 32 x DP 4) is more than this machine holds"),
 ])
 def test_demo_modes_refuse_flags_they_do_not_use(flags, words):
     out = cli("demo", *flags, timeout=120)
@@ -417,7 +428,7 @@ def test_bench_pp_smoke(tmp_path):
     the saved-tensor hooks see activations, ZB-H1 keeps 1F1B's peak and K = 2p-1 holds more.
     Its measured F/B/W then drive the emulated cluster (``--write-durations``, ``--durations``)."""
     durations = tmp_path / "durations.json"
-    out = cli("bench", "pp", "--hidden", "64", "--ffn", "128", "--seq", "32", "--microbatches", "4",
+    out = cli("bench", "pp", "--hidden", "64", "--ffn", "128", "--seq", "32", "--micro-batches", "4",
               "--steps", "1", "--warmup", "0", "--no-progress", "--json", "--write-durations", str(durations),
               timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -434,7 +445,7 @@ def test_bench_pp_smoke(tmp_path):
     assert all(r["predicted_step_ms"] > 0 for r in modes.values()) and "predicted" in out.stdout
     doc = json.loads(durations.read_text())
     assert [s["f_ms"] for s in doc["stages"]] == [t["F"] for t in result["times_ms"]]
-    out = cli("bench", "pp", "--emulate", "--pp", "2", "--dp", "1", "--microbatches", "4", "--durations",
+    out = cli("bench", "pp", "--emulate", "--pp", "2", "--dp", "1", "--micro-batches", "4", "--durations",
               str(durations), "--steps", "1", "--warmup", "0", "--no-exposed", "--no-progress", "--json",
               "--floor-time-limit", "5", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -446,15 +457,15 @@ def test_bench_pp_smoke(tmp_path):
 def test_bench_pp_refuses_a_layout_it_cannot_split():
     out = cli("bench", "pp", "--layers", "3", "--no-progress")
     assert out.returncode == 2 and "--layers 3 does not split over 2 stages" in out.stderr
-    out = cli("bench", "pp", "--microbatches", "1", "--no-progress")
-    assert out.returncode == 2 and "--microbatches >= --pp" in out.stderr
+    out = cli("bench", "pp", "--micro-batches", "1", "--no-progress")
+    assert out.returncode == 2 and "--micro-batches >= --pp" in out.stderr
 
 
 def test_demo_pipeline(tmp_path):
     """``demo --pp 2`` at hidden 128 (768 by default: the identity of the losses does not depend
     on the size, the demo's 10 steps at 768 take ~45 s here)."""
-    out = cli("demo", "--pp", "2", "--steps", "2", "--hidden", "128", "--no-progress", "--json", "--out",
-              str(tmp_path), timeout=900)
+    out = cli("demo", "--pp", "2", "--steps", "2", "--hidden", "128", "--no-progress", "--json", "--timeline",
+              str(tmp_path / "pp_timeline.png"), timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["config"]["hidden"] == 128 and result["config"]["ffn"] == 512
@@ -477,3 +488,63 @@ def test_a_command_past_its_timeout_is_killed_with_its_ranks():
     assert out.returncode == 124, out.stderr[-2000:]
     out = cli("floor", "--times", "10/10")
     assert out.returncode == 2 and "a stage's times are F/B/W in ms" in out.stderr
+
+
+# issue 34: one spelling per concept across the commands; each old one still works and warns once
+@pytest.mark.parametrize("old,new,warning", [
+    (["demo", "--world", "4"], ["demo", "--ranks", "4"], "--world is deprecated; use --ranks"),
+    (["demo", "--hdp"], ["demo", "--overlap-hdp"], "--hdp is deprecated; use --overlap-hdp"),
+    (["demo", "--hdp-max-tokens-per-rank", "64"], ["demo", "--overlap-hdp-max-tokens-per-rank", "64"],
+     "--hdp-max-tokens-per-rank is deprecated; use --overlap-hdp-max-tokens-per-rank"),
+    (["demo", "--out", "d"], ["demo", "--timeline", os.path.join("d", "timeline.png")],
+     "--out DIR is deprecated; use --timeline DIR/timeline.png"),
+    (["demo", "--cluster", "4x2x16"], ["demo", "--cluster", "4x2", "--micro-batches", "16"],
+     "--cluster PPxDPxM is deprecated; use --cluster PPxDP --micro-batches M"),
+    (["bench", "mlp", "--sub-batches", "2"], ["bench", "mlp", "--overlap-tp-sub-batches", "2"],
+     "--sub-batches is deprecated; use --overlap-tp-sub-batches"),
+    (["bench", "layer", "--sub-batches", "3"], ["bench", "layer", "--overlap-tp-sub-batches", "3"],
+     "--sub-batches is deprecated; use --overlap-tp-sub-batches"),
+    (["bench", "pp", "--microbatches", "4"], ["bench", "pp", "--micro-batches", "4"],
+     "--microbatches is deprecated; use --micro-batches"),
+    (["bench", "hdp", "--max-tokens-per-rank", "64"], ["bench", "hdp", "--overlap-hdp-max-tokens-per-rank", "64"],
+     "--max-tokens-per-rank is deprecated; use --overlap-hdp-max-tokens-per-rank"),
+    (["bench", "hdp", "--microbatch-overhead-ms", "2"], ["bench", "hdp", "--micro-batch-overhead-ms", "2"],
+     "--microbatch-overhead-ms is deprecated; use --micro-batch-overhead-ms"),
+    (["floor", "--times", "1/1/1", "--microbatches", "4"], ["floor", "--times", "1/1/1", "--micro-batches", "4"],
+     "--microbatches is deprecated; use --micro-batches"),
+    (["report", "d", "--png", "t.png"], ["report", "d", "--timeline", "t.png"],
+     "--png is deprecated; use --timeline"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else "")
+def test_commands_old_spellings_do_what_the_new_ones_do_and_warn(old, new, warning, monkeypatch):
+    import warnings
+
+    from megatron_overlap.cli.demo_args import timeline_path
+    from megatron_overlap.cli.demo_cluster import parse_cluster
+    from megatron_overlap.cli.main import _parser
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+
+    def meaning(args):  # what the command does with its arguments
+        values = dict(vars(args))
+        if args.command == "demo":
+            values.update(timeline=timeline_path(args), out=None, cluster=args.cluster and parse_cluster(
+                args.cluster, args.cluster_microbatches), cluster_microbatches=None)
+        return values
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        theirs = meaning(_parser().parse_args(new))
+        assert not caught
+        ours = meaning(_parser().parse_args(old))
+    assert ours == theirs
+    assert [str(w.message) for w in caught] == ["megatron-overlap: " + warning]
+
+
+def test_help_describes_the_four_parallelisms():
+    from megatron_overlap.cli.main import _parser
+
+    text = " ".join(_parser().format_help().split())
+    for words in ("tensor parallelism (--overlap-tp", "context parallelism on Megatron's local attention (--overlap-cp",
+                  "hybrid data parallelism (--overlap-hdp", "pipeline schedules (--overlap-pp"):
+        assert words in text, words

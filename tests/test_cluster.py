@@ -57,7 +57,7 @@ def test_emulated_cluster_refuses_what_it_cannot_run():
         check(ClusterConfig(node_size=3), cores=2, memory_gb=24)
     with pytest.raises(BenchError, match=r"--ranks 6 is not --pp 4 x --dp 2 = 8"):
         check(ClusterConfig(), ranks=6, cores=2, memory_gb=24)
-    with pytest.raises(BenchError, match=r"--microbatches 2 is below --pp 4"):
+    with pytest.raises(BenchError, match=r"--micro-batches 2 is below --pp 4"):
         check(ClusterConfig(microbatches=2), cores=2, memory_gb=24)
     from megatron_overlap.lab.link_spec import LinkSpec
 
@@ -76,8 +76,8 @@ def test_bench_pp_emulate_command_line():
     assert out.returncode == 2 and "--dp only apply with --emulate" in out.stderr
     out = cli("bench", "pp", "--emulate", "--vpp", "4", "--schedules", "stock,zbv", "--no-progress")
     assert out.returncode != 0 and "zbv needs exactly 2 model chunks per stage (the V), got --vpp 4" in out.stderr
-    out = cli("bench", "pp", "--emulate", "--vpp", "2", "--microbatches", "6", "--no-progress")
-    assert out.returncode != 0 and "--microbatches 6 is not a multiple of --pp 4" in out.stderr, out.stderr[-2000:]
+    out = cli("bench", "pp", "--emulate", "--vpp", "2", "--micro-batches", "6", "--no-progress")
+    assert out.returncode != 0 and "--micro-batches 6 is not a multiple of --pp 4" in out.stderr, out.stderr[-2000:]
 
 
 def test_durations_files_are_checked_naming_what_is_missing(tmp_path):
@@ -153,7 +153,7 @@ def test_emulated_cluster_refuses_virtual_pipelines_it_cannot_run():
 
     refused(r"zbv needs exactly 2 model chunks per stage \(the V\), got --vpp 4", vpp=4, modes=("stock", "zbv"))
     refused(r"zbv needs exactly 2 model chunks per stage \(the V\), got --vpp 1", modes=("stock", "zbv"))
-    refused(r"--microbatches 10 is not a multiple of --pp 4: Megatron's interleaved schedule", vpp=2, microbatches=10)
+    refused(r"--micro-batches 10 is not a multiple of --pp 4: Megatron's interleaved schedule", vpp=2, microbatches=10)
     refused(r"llama3-70b's 80 layers do not divide into --pp 4 x --vpp 3 = 12 model chunks", vpp=3, microbatches=12)
     refused(r"--schedules 1f1b-inflight with --vpp 2: virtual pipelines run stock, 1f1b, zb, zbv", vpp=2,
             modes=("stock", "1f1b-inflight"))

@@ -20,39 +20,49 @@ MEGATRON_FLAGS = {
 }
 
 
+HDP = ["--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64"]
+
+
 def parse(*flags):
     return overlap_parser().parse_args(list(flags))
 
 
 def test_flag_set_is_pinned():
+    from megatron_overlap.args import DEPRECATED
+
     parser = add_overlap_args(argparse.ArgumentParser())
     added = {opt for action in parser._actions for opt in action.option_strings} - {"-h", "--help"}
-    assert added == set(megatron_overlap.FLAGS) == {
+    assert added == set(megatron_overlap.FLAGS) | set(DEPRECATED)
+    assert all(flag.startswith("--overlap-") for flag in megatron_overlap.FLAGS)  # one prefix (issue 34)
+    assert set(DEPRECATED) == {"--overlap-autotune", "--overlap-plan", "--hdp", "--hdp-max-tokens-per-rank",
+                               "--hdp-mode"}
+    assert set(megatron_overlap.FLAGS) == {
         "--overlap-tp",
         "--overlap-tp-chunks",
         "--overlap-tp-rs",
         "--overlap-tp-bidirectional",
         "--overlap-tp-sub-batches",
-        "--overlap-autotune",
-        "--overlap-plan",
+        "--overlap-tp-autotune",  # issue 34: was --overlap-autotune (TP only)
+        "--overlap-tp-plan-file",  # issue 34: was --overlap-plan (TP only, not the plan command)
         "--overlap-trace",
         "--overlap-trace-iters",
         "--overlap-cp",
         "--overlap-cp-a2a-size",
-        "--hdp",
-        "--hdp-max-tokens-per-rank",
-        "--hdp-mode",
+        "--overlap-hdp",  # issue 34: was --hdp
+        "--overlap-hdp-max-tokens-per-rank",  # issue 34: was --hdp-max-tokens-per-rank; --hdp-mode is derived
         "--overlap-pp",
         "--overlap-pp-max-inflight",
         "--overlap-pp-memory-budget",
         "--overlap-pp-buckets",  # issue 23: DDP buckets on every stage and chunk of a virtual pipeline
-        "--overlap-timeout-s",  # issue 25: bounds the plugin's own waits (README "Failures that say where")
+        "--overlap-timeout-s",  # issue 25: bounds the plugin's own waits (docs/failures.md)
     }
 
 
 def test_no_flag_collides_with_megatron():
+    from megatron_overlap.args import DEPRECATED
+
     assert len(MEGATRON_FLAGS) > 500  # the list is real, not empty
-    for flag in megatron_overlap.FLAGS:
+    for flag in megatron_overlap.FLAGS + tuple(DEPRECATED):
         assert flag not in MEGATRON_FLAGS
         # Megatron parses with allow_abbrev=False, but no Megatron flag may start with ours
         # either, or a user's typo would silently pick the other one. One known exception,
@@ -62,8 +72,63 @@ def test_no_flag_collides_with_megatron():
     # and our dests do not shadow a field Megatron reads from args
     megatron_dests = {m[2:].replace("-", "_") for m in MEGATRON_FLAGS}
     parser = add_overlap_args(argparse.ArgumentParser())
-    ours = {a.dest for a in parser._actions if a.option_strings and a.dest != "help"}
+    ours = {a.dest for a in parser._actions if a.option_strings and a.dest not in ("help", argparse.SUPPRESS)}
     assert not ours & megatron_dests
+
+
+# issue 34: every old spelling still works, does what its new name does, and warns once (rank 0)
+@pytest.mark.parametrize("old,new", [
+    (["--overlap-tp", "p2p", "--overlap-autotune"], ["--overlap-tp", "p2p", "--overlap-tp-autotune"]),
+    (["--overlap-tp", "p2p", "--overlap-plan", "p.json"], ["--overlap-tp", "p2p", "--overlap-tp-plan-file", "p.json"]),
+    (["--hdp", "--overlap-hdp-max-tokens-per-rank", "64"], HDP),
+    (["--overlap-hdp", "--hdp-max-tokens-per-rank", "64"], HDP),
+    (HDP + ["--hdp-mode", "pp"], HDP),
+    (["--overlap-pp", "off"], ["--overlap-pp", "megatron"]),
+], ids=["overlap-autotune", "overlap-plan", "hdp", "hdp-max-tokens-per-rank", "hdp-mode", "overlap-pp-off"])
+def test_deprecated_spellings_do_what_the_new_ones_do_and_warn_once(old, new, monkeypatch):
+    import warnings
+
+    from megatron_overlap.args import DEPRECATED
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    name = next(f for f in old if f in DEPRECATED) if any(f in DEPRECATED for f in old) else "--overlap-pp off"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's default for FutureWarning: once per message and place
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the new spelling warns of nothing
+            assert OverlapConfig.from_args(parse(*new)) is not None
+        configs = [OverlapConfig.from_args(parse(*old)) for _ in range(3)]  # Megatron parses several times
+    assert configs[0] == configs[2] == OverlapConfig.from_args(parse(*new))
+    texts = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert len(texts) == 1, texts
+    replacement = DEPRECATED.get(name, "--overlap-pp megatron")
+    if replacement is None:
+        assert texts[0] == ("megatron-overlap: --hdp-mode is deprecated and ignored: HDP's mode follows "
+                            "--pipeline-model-parallel-size (every rank the same micro-batch count with a pipeline, "
+                            "whole steps balanced without one)")
+    else:
+        assert texts[0] == f"megatron-overlap: {name} is deprecated; use {replacement}"
+    assert caught[0].filename == __file__  # pointed at the code that parsed, not at argparse
+
+
+def test_deprecated_spellings_warn_on_rank_zero_only(monkeypatch):
+    import warnings
+
+    monkeypatch.setenv("RANK", "3")  # torchrun's, before torch.distributed starts
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert OverlapConfig.from_args(parse("--hdp", "--hdp-max-tokens-per-rank", "64")).hdp.enabled
+    assert not caught
+
+
+def test_help_describes_every_parallelism_and_hides_the_old_spellings():
+    text = overlap_parser().format_help()
+    for words in ("--overlap-tp ", "--overlap-cp ", "--overlap-hdp ", "--overlap-pp {megatron,1f1b,zb,zbv,auto}",
+                  "megatron (default): Megatron's own schedule"):
+        assert words in text, words
+    for old in ("--overlap-autotune", "--overlap-plan ", "--hdp ", "--hdp-mode", " off: Megatron"):
+        assert old not in text, old
 
 
 def test_overlap_cp_never_turns_on_megatrons_cpu_optimizer_flag():
@@ -173,9 +238,11 @@ def parser_error(capsys, *flags) -> str:
         (["--overlap-tp", "fused", "--overlap-tp-sub-batches", "auto"], {}, "--overlap-tp-sub-batches",
          "runs each GEMM whole"),
         (["--overlap-trace-iters", "3"], {}, "--overlap-trace-iters", "without --overlap-trace"),
-        (["--overlap-autotune"], {}, "--overlap-autotune", "only applies to TP overlap"),
-        (["--overlap-tp", "p2p", "--overlap-autotune", "--overlap-plan", "p.json"], {}, "--overlap-plan", "pass one of them"),
-        (["--overlap-tp", "p2p", "--overlap-plan", "/nonexistent/plan.json"], {}, "--overlap-plan", "cannot read"),
+        (["--overlap-tp-autotune"], {}, "--overlap-tp-autotune", "only applies to TP overlap"),
+        (["--overlap-tp", "p2p", "--overlap-tp-autotune", "--overlap-tp-plan-file", "p.json"], {},
+         "--overlap-tp-plan-file", "pass one of them"),
+        (["--overlap-tp", "p2p", "--overlap-tp-plan-file", "/nonexistent/plan.json"], {}, "--overlap-tp-plan-file",
+         "cannot read"),
         (["--overlap-trace", "/tmp/t", "--overlap-trace-iters", "x"], {}, "--overlap-trace-iters", "expected e.g."),
         ([], dict(tp=1, cp=2), "--overlap-cp", "--overlap-cp ring"),
         (["--overlap-tp", "p2p"], dict(tp=2, cp=2), "--overlap-cp", "asserts CP == 1"),
@@ -186,20 +253,18 @@ def parser_error(capsys, *flags) -> str:
         (["--overlap-cp", "hybrid"], dict(tp=1, cp=4), "--overlap-cp-a2a-size", "needs --overlap-cp-a2a-size"),
         (["--overlap-cp", "ring", "--overlap-cp-a2a-size", "2"], {}, "--overlap-cp-a2a-size", "only applies to --overlap-cp hybrid"),
         (["--overlap-cp", "ring"], dict(tp=1, cp=2, impl="transformer_engine"), "--overlap-cp", "--transformer-impl local"),
-        (["--hdp"], dict(tp=1), "--hdp-max-tokens-per-rank", "--hdp needs"),
-        (["--hdp-max-tokens-per-rank", "64"], dict(tp=1), "--hdp-max-tokens-per-rank", "only applies with --hdp"),
-        (["--hdp", "--hdp-max-tokens-per-rank", "64", "--overlap-cp", "ring"], dict(tp=1), "--overlap-cp", "drop --overlap-cp"),
-        (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, cp=2), "--context-parallel-size", "--context-parallel-size 1"),
-        (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=1, pp=2), "--hdp", "needs --hdp-mode pp"),
-        (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp", "--overlap-pp", "zbv"],
-         dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=2), "--overlap-pp",
-         "and --hdp runs under non-interleaved pipelines only (its loop reads one data iterator per stage"),
-        (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp"],
-         dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=2), "--hdp", "non-interleaved pipelines only"),
-        (["--hdp", "--hdp-max-tokens-per-rank", "64"], dict(tp=4, world_size=6), "--tensor-model-parallel-size",
+        (["--overlap-hdp"], dict(tp=1), "--overlap-hdp-max-tokens-per-rank", "--overlap-hdp needs"),
+        (["--overlap-hdp-max-tokens-per-rank", "64"], dict(tp=1), "--overlap-hdp-max-tokens-per-rank",
+         "only applies with --overlap-hdp"),
+        (HDP + ["--overlap-cp", "ring"], dict(tp=1), "--overlap-cp", "drop --overlap-cp"),
+        (HDP, dict(tp=1, cp=2), "--context-parallel-size", "--context-parallel-size 1"),
+        (HDP + ["--overlap-pp", "zbv"], dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=2), "--overlap-pp",
+         "and --overlap-hdp runs under non-interleaved pipelines only (its loop reads one data iterator per stage"),
+        (HDP, dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=2), "--overlap-hdp", "non-interleaved pipelines only"),
+        (HDP, dict(tp=4, world_size=6), "--tensor-model-parallel-size",
          "the world of 6 ranks does not split into TP groups of 4 x pipeline stages of 1"),
-        (["--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp"], dict(tp=1), "--hdp-mode",
-         "this run has --pipeline-model-parallel-size 1: use --hdp-mode dp"),
+        (HDP, dict(tp=1, hybrid_context_parallel=True), "--overlap-hdp",
+         "--overlap-hdp: and Megatron's --hybrid-context-parallel both regroup"),
         (["--overlap-pp", "zbv"], dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=4), "--overlap-pp",
          "zbv places exactly 2 model chunks on each stage"),
         (["--overlap-pp", "zbv"], dict(tp=1, pp=2), "--overlap-pp", "this run has no virtual pipeline"),
@@ -250,11 +315,10 @@ def parser_error(capsys, *flags) -> str:
         "hdp-capacity-without-hdp",
         "hdp-with-overlap-cp",
         "hdp-with-cp-size",
-        "hdp-dp-mode-with-pp",
         "hdp-with-zbv",
         "hdp-with-virtual-pipeline",
         "hdp-tp-not-dividing-the-world",
-        "hdp-pp-mode-without-pp",
+        "hdp-with-megatrons-hybrid-context-parallel",
         "pp-zbv-four-chunks",
         "pp-zbv-without-virtual-pipeline",
         "pp-with-megatron-delay-wgrad",
@@ -286,8 +350,10 @@ def test_parser_rejects_bad_values_naming_the_flag(capsys):
     # refused while parsing, before install (they were refused at install before issue 25)
     assert "argument --overlap-tp-sub-batches: must be a whole number >= 1 or auto in 1 .." in parser_error(
         capsys, "--overlap-tp", "p2p", "--overlap-tp-sub-batches", "0")
-    assert "argument --hdp-max-tokens-per-rank: must be a whole number of tokens in 1 .." in parser_error(
-        capsys, "--hdp", "--hdp-max-tokens-per-rank", "0")
+    assert "argument --overlap-hdp-max-tokens-per-rank: must be a whole number of tokens in 1 .." in parser_error(
+        capsys, "--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "0")
+    assert "argument --overlap-pp: invalid choice: 'fast' (choose from megatron, 1f1b, zb, zbv, auto)" in parser_error(
+        capsys, "--overlap-pp", "fast")
     assert "argument --overlap-pp-memory-budget: must be a positive, finite number of GB, got -1.0" in parser_error(
         capsys, "--overlap-pp", "zb", "--overlap-pp-memory-budget", "-1")
 
@@ -363,15 +429,15 @@ def test_memory_budget_below_one_or_p_microbatches_is_refused():
 
 
 def test_hdp_installs_with_what_long_context_runs_need():
-    """Issue 38: --hdp with DDP's overlapped gradient reduction and the distributed optimizer's
-    overlaps, and --hdp-mode pp under our pipeline schedules, install (they were refused: the
+    """Issue 38: --overlap-hdp with DDP's overlapped gradient reduction and the distributed optimizer's
+    overlaps, and HDP under a pipeline with our pipeline schedules, install (they were refused: the
     runs are in tests/test_pretrain_gpt.py); ZB-V and virtual pipelines are still refused, naming
     both flags (test_invalid_configurations_name_the_flag)."""
-    hdp = ("--hdp", "--hdp-max-tokens-per-rank", "64")
+    hdp = ("--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64")
     for flags, megatron in [
         (hdp, dict(overlap_grad_reduce=True, use_distributed_optimizer=True, overlap_param_gather=True)),
-        (hdp + ("--hdp-mode", "pp", "--overlap-pp", "1f1b"), dict(pp=2, overlap_grad_reduce=True)),
-        (hdp + ("--hdp-mode", "pp", "--overlap-pp", "zb"), dict(pp=2, recompute_granularity="full")),
+        (hdp + ("--overlap-pp", "1f1b"), dict(pp=2, overlap_grad_reduce=True)),
+        (hdp + ("--overlap-pp", "zb"), dict(pp=2, recompute_granularity="full")),
     ]:
         try:
             inst = megatron_overlap.install(megatron_args(*flags, tp=1, **megatron))
@@ -382,7 +448,7 @@ def test_hdp_installs_with_what_long_context_runs_need():
 
 
 def test_hdp_through_megatron_lms_loop_checks_what_the_script_path_needs(monkeypatch):
-    """With Megatron-LM's training loop importable, --hdp wraps its schedule lookup. The script
+    """With Megatron-LM's training loop importable, --overlap-hdp wraps its schedule lookup. The script
     path (a plain data iterator) refuses, at its first schedule call and naming the flag, samples
     without document marks and a model without per-token loss (TP > 1 runs: tests/test_pretrain_gpt.py);
     a loop that hands in an HdpDataIterator is left alone."""
@@ -405,7 +471,7 @@ def test_hdp_through_megatron_lms_loop_checks_what_the_script_path_needs(monkeyp
             self.config = types.SimpleNamespace(calculate_per_token_loss=per_token)
 
     def first_call(per_token=True, **megatron):
-        args = megatron_args("--hdp", "--hdp-max-tokens-per-rank", "64", **megatron)
+        args = megatron_args(*HDP, **megatron)
         inst = megatron_overlap.install(args)  # installs: an own loop may still drive the runtime
         assert getattr(training.get_forward_backward_func, "__megatron_overlap__", None) is inst
         schedule = training.get_forward_backward_func()

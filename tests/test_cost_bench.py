@@ -98,7 +98,7 @@ def test_speedup_of_each_published_variant(result, rates, variant):
 
 def test_sub_batches_predicted_within_6_percent():
     """tests/data/mlp_sub_batches_result.json: ``bench mlp --sub-batches 2 --json`` (12 rounds,
-    2026-12-01, the run in BENCHMARKS.md). The model, from the run's own compute and link (no
+    2026-12-01, the run in BENCHMARKS.md; the flag is now ``--overlap-tp-sub-batches``). The model, from the run's own compute and link (no
     rate table), puts the cut within 6% of its measured step, on the link the bench counted
     (the same bytes as per-op overlap), and the cut's gain over per-op within 4% of the
     measured ratio (measured 0.99x: no gain on the MLP block alone)."""

@@ -166,3 +166,28 @@ def test_published_zero_bubble_rows_say_what_they_assume():
     assert "of 1F1B's bubble" in bubble["predicted"] and bubble["why"]  # misses 1/3: says why (F = B = W)
     assert "F = B = W" in bubble["why"]
     assert gain["predicted"].endswith(")") and "x over 12 configurations" in gain["predicted"]
+
+
+def test_the_demos_pick_is_the_cost_model_fitted_to_its_own_calibration():
+    """``demo``'s ours (issue 34): the hardware fitted to the calibration step reproduces it (the
+    modelled stock step on a free link takes the measured compute, its GEMMs the measured rate);
+    on the calibrated link the pick is one of ours and the reason lists every candidate; on a
+    link that costs nothing, nothing of ours is predicted faster, so stock runs."""
+    from megatron_overlap.lab import demo_plan
+    from megatron_overlap.lab.demo import DemoConfig
+    from megatron_overlap.tune.simulate import simulate
+
+    cfg = DemoConfig()
+    gemm_ms = 950.0
+    cal = demo_plan.Calibration(gemm_ms=gemm_ms, compute_ms=1250.0, bandwidth_GBps=0.045, latency_us=20.0)
+    hw = demo_plan.fitted_hardware(cfg, cal)
+    assert hw.peak_tflops * 1e12 == pytest.approx(demo_plan.gemm_flops(cfg) / (gemm_ms * 1e-3))
+    model, run = demo_plan._model_and_run(cfg)
+    free = demo_plan.fitted_hardware(cfg, demo_plan.Calibration(gemm_ms, 1250.0, 1e6, 0.0))
+    assert simulate(model, run, free, Strategy("megatron")).step_ms == pytest.approx(1250.0, rel=1e-6)
+    choice = demo_plan.pick(cfg, cal)
+    assert choice["sub_batches"] in (1, 2, 3)
+    assert set(choice["predicted_ms"]) == {"stock", "per-op overlap", "2 sub-batches", "3 sub-batches"}
+    assert min(choice["predicted_ms"].values()) < choice["predicted_ms"]["stock"]
+    fast = demo_plan.pick(cfg, demo_plan.Calibration(gemm_ms, 1250.0, 1e6, 0.0))
+    assert fast["sub_batches"] is None and fast["why"].startswith("the cost model's pick")

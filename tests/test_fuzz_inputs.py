@@ -33,12 +33,11 @@ VALUES = {
     "--overlap-trace-iters": ["3", "3,5", "3-5", "2-100000000", "0-1000000000000", "5-3", "a-b", ",,,", "1-" + "9" * 40,
                               ",".join(str(i) for i in range(80)), "-1", "3" * 300],
     "--overlap-cp": ["off", "ring", "a2a", "hybrid", "zigzag"],
-    "--hdp-mode": ["dp", "pp", "tp"],
-    "--overlap-pp": ["off", "1f1b", "zb", "zbv", "auto", "gpipe"],
+    "--overlap-pp": ["megatron", "off", "1f1b", "zb", "zbv", "auto", "gpipe"],
     "--overlap-pp-memory-budget": ["8", "0.5", "1e-9", "1e7", "inf", "nan", "-3", "x"],
     "--overlap-timeout-s": ["2", "0.001", "599", "600", "86401", "inf", "nan", "0", "-1", "x"],
 }
-SWITCHES = ("--overlap-tp-bidirectional", "--overlap-autotune", "--hdp")
+SWITCHES = ("--overlap-tp-bidirectional", "--overlap-tp-autotune", "--overlap-hdp")
 PLAN_FILES = [b'{"default": "c2-ring"}', b"[]", b"{}", b"null", b'{"default": "c1000-ring"}', b'{"default": 3}',
               b'{"default": {"choice": "c0t-a2a"}}', b'{"default": {"choice": 7}}', b'{"default": "c99999999999-ring"}',
               b"\xff\xfe\x00", b"[" * 50000, b"{", b'{"column|rows8xb1|k1n1|f|tp2|d|p2p|t|m": "c9-ring"}', b'"c2-ring"']
@@ -64,7 +63,7 @@ def random_flags(rng: random.Random, tmp: Path, case: int) -> list:
     for flag in rng.sample(sorted(megatron_overlap.FLAGS), rng.randint(0, 6)):
         if flag in SWITCHES:
             flags.append(flag)
-        elif flag == "--overlap-plan":
+        elif flag == "--overlap-tp-plan-file":
             path = tmp / f"plan{case}.json"
             path.write_bytes(rng.choice(PLAN_FILES))
             flags += [flag, rng.choice([str(path), str(path), str(tmp / "missing.json"), str(tmp)])]
@@ -98,7 +97,7 @@ def _warm_up(tmp: Path) -> None:
     for flags, megatron in ((["--overlap-tp", "p2p", "--overlap-trace", str(tmp / "w")],
                              dict(tensor_model_parallel_size=2)),
                             (["--overlap-cp", "ring"], dict(context_parallel_size=2)),
-                            (["--hdp", "--hdp-max-tokens-per-rank", "64"], {}),
+                            (["--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64"], {}),
                             (["--overlap-pp", "zb"], dict(pipeline_model_parallel_size=2))):
         args = megatron_parser().parse_args(flags)
         values = dict(megatron_values(random.Random(0)), tensor_model_parallel_size=1, context_parallel_size=1,
@@ -114,8 +113,8 @@ def _warm_up(tmp: Path) -> None:
 def check_refusal(exc: OverlapConfigError, flags: list) -> None:
     assert exc.flag in SOURCES or exc.flag.startswith("TransformerConfig."), (exc.flag, str(exc), flags)
     assert str(exc).startswith(exc.flag + ":"), (str(exc), flags)
-    if exc.flag == "--overlap-plan" and any(w in str(exc) for w in ("entry", "holds", "cannot read", "MiB")):
-        assert flags[flags.index("--overlap-plan") + 1] in str(exc), (str(exc), flags)  # about the file: names it
+    if exc.flag == "--overlap-tp-plan-file" and any(w in str(exc) for w in ("entry", "holds", "cannot read", "MiB")):
+        assert flags[flags.index("--overlap-tp-plan-file") + 1] in str(exc), (str(exc), flags)  # about the file: names it
 
 
 def test_random_flags_files_and_variables_are_accepted_or_refused_by_name(tmp_path, monkeypatch):

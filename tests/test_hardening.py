@@ -120,8 +120,8 @@ def test_a_plan_file_of_the_wrong_shape_is_refused_naming_the_file(tmp_path):
                            (json.dumps({"default": "c99999999-ring"}).encode(), "more chunks than the 65536")):
         path = tmp_path / "plan.json"
         path.write_bytes(content)
-        err = install_error("--overlap-tp", "p2p", "--overlap-plan", str(path), tp=2)
-        assert err.flag == "--overlap-plan" and str(path) in str(err) and words in str(err), str(err)
+        err = install_error("--overlap-tp", "p2p", "--overlap-tp-plan-file", str(path), tp=2)
+        assert err.flag == "--overlap-tp-plan-file" and str(path) in str(err) and words in str(err), str(err)
 
 
 def test_a_plan_file_is_held_to_the_flags_rule_at_install_and_at_the_first_step(tmp_path):
@@ -131,12 +131,12 @@ def test_a_plan_file_is_held_to_the_flags_rule_at_install_and_at_the_first_step(
     assert err.flag == "--overlap-tp-chunks" and "more than one per row; use at most 64" in str(err)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"default": "c1000-ring"}))
-    err = install_error("--overlap-tp", "p2p", "--overlap-plan", str(path), tp=4, seq=64)
-    assert err.flag == "--overlap-plan" and f"{path}: entry 'default' (c1000-ring) cuts each rank's 16 sequence " \
+    err = install_error("--overlap-tp", "p2p", "--overlap-tp-plan-file", str(path), tp=4, seq=64)
+    assert err.flag == "--overlap-tp-plan-file" and f"{path}: entry 'default' (c1000-ring) cuts each rank's 16 sequence " \
         "rows into 1000 chunks, more than one per row; use at most 16" in str(err)
     keyed = {"column|rows8xb2|k96n32|float32|tp2|cpu-2cpu|p2p|torch|mo": "c9-ring"}
     path.write_text(json.dumps(keyed))
-    err = install_error("--overlap-tp", "p2p", "--overlap-plan", str(path), tp=2)
+    err = install_error("--overlap-tp", "p2p", "--overlap-tp-plan-file", str(path), tp=2)
     assert "8 sequence rows into 9 chunks" in str(err)
     # a programmatic install knows no rows: the first step checks the entry, with the same words
     from megatron_overlap.tp.autotune import PlanTuner, load_plan_file
@@ -145,7 +145,7 @@ def test_a_plan_file_is_held_to_the_flags_rule_at_install_and_at_the_first_step(
     tuner = PlanTuner(False, load_plan_file(str(path)), plan_file=str(path))
     x, weight = __import__("torch").zeros(8, 1, 4), __import__("torch").zeros(4, 4)
     group = type("Group", (), {"size": lambda self: 2})()
-    with pytest.raises(OverlapConfigError, match="^--overlap-plan: .*'default' \\(c1000-ring\\) cuts each rank's 8 "):
+    with pytest.raises(OverlapConfigError, match="^--overlap-tp-plan-file: .*'default' \\(c1000-ring\\) cuts each rank's 8 "):
         tuner.choose("column", x, weight, group, 8, type("B", (), {"name": "p2p"})(), None)
 
 
@@ -180,7 +180,7 @@ def test_a_cache_variable_that_is_not_a_directory_is_refused_naming_it(tmp_path,
     blocker.write_text("x")
     for value in (str(blocker), str(blocker / "sub")):
         monkeypatch.setenv("MEGATRON_OVERLAP_CACHE", value)
-        err = install_error("--overlap-tp", "p2p", "--overlap-autotune", tp=2)
+        err = install_error("--overlap-tp", "p2p", "--overlap-tp-autotune", tp=2)
         assert err.flag == "MEGATRON_OVERLAP_CACHE" and str(err).startswith(f"MEGATRON_OVERLAP_CACHE: {value} is")
         assert "point it at a directory" in str(err)
 
@@ -261,8 +261,8 @@ def test_auto_and_install_apply_the_same_rule():
 @pytest.mark.parametrize("argv, words", [
     (["demo", "--cp", "3"], "demo: --seq: the tiny GPT (8 heads, 2 key/value heads, seq 1024) cannot be built: "
                             "sequence 1024 does not cut into 2 x CP = 6 equal chunks"),
-    (["demo", "--world", "0"], "demo: --world must be a whole number >= 1, got 0"),
-    (["demo", "--tp", "3", "--world", "3"], "demo: --tp: the tiny GPT (8 heads, 2 key/value heads, seq 1024) cannot"),
+    (["demo", "--ranks", "0"], "demo: --ranks must be a whole number >= 1, got 0"),
+    (["demo", "--tp", "3", "--ranks", "3"], "demo: --tp: the tiny GPT (8 heads, 2 key/value heads, seq 1024) cannot"),
     (["demo", "--comm-ratio", "nan"], "demo: --comm-ratio must be a finite number > 0, got nan"),
     (["demo", "--pp", "0"], "demo --pp: --pp must be a whole number >= 2, got 0"),
     (["demo", "--pp", "2", "--hidden", "0"], "demo --pp: --hidden must be a whole number >= 1, got 0"),
@@ -276,7 +276,7 @@ def test_auto_and_install_apply_the_same_rule():
         "demo-pp-hidden-100", "bench-mlp-tp-1", "bench-attention-kv-0",
         "bench-pp-steps-0", "floor-inf"])
 def test_commands_refuse_bad_arguments_before_any_rank_starts(monkeypatch, argv, words):
-    """Finding: `demo --cp 3` and `demo --world 0` failed with a shape error or IndexError after
+    """Finding: `demo --cp 3` and `demo --ranks 0` (then `--world 0`) failed with a shape error or IndexError after
     the ranks had started."""
     from megatron_overlap.cli.main import main
     from megatron_overlap.lab import rank_pool

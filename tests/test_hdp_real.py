@@ -44,7 +44,7 @@ def test_bench_batch_tokens_cuts_a_lengths_file(tmp_path):
     lens = [9000, 3000, 100, 200, 5000, 700] * 4  # 72000 tokens, no blank line
     f.write_text("\n".join(map(str, lens)) + "\n")
     rc, out, err = _cli("--lengths-file", str(f), "--batch-tokens", "16000", "--ranks", "4",
-                        "--max-tokens-per-rank", "4096", "--json", "--no-progress")
+                        "--overlap-hdp-max-tokens-per-rank", "4096", "--json", "--no-progress")
     assert rc == 0, err
     cfg = json.loads(out.strip().splitlines()[-1])["config"]
     expected, left = cut_batches(lens, 16000)
@@ -52,7 +52,7 @@ def test_bench_batch_tokens_cuts_a_lengths_file(tmp_path):
     assert cfg["tokens"] == sum(lens) - left and f"cut into 4 batches of >= 16000 tokens, the last {left}" in out
     # blank lines are batches without --batch-tokens, and re-cut with it
     f.write_text("100\n200\n\n300\n")
-    rc, out, _ = _cli("--lengths-file", str(f), "--ranks", "2", "--max-tokens-per-rank", "4096", "--json",
+    rc, out, _ = _cli("--lengths-file", str(f), "--ranks", "2", "--overlap-hdp-max-tokens-per-rank", "4096", "--json",
                       "--no-progress")
     assert rc == 0 and json.loads(out.strip().splitlines()[-1])["config"]["steps"] == 2
     rc, _, err = _cli("--lengths-file", str(f), "--batch-tokens", "10000", "--ranks", "2", "--no-progress")
@@ -278,7 +278,7 @@ def test_bench_sweep_over_ranks_and_tokens_per_step():
     """``bench hdp --sweep``: one row per (R, T = m x R x C) and scheduler, time-weighted against
     the bound (>= 1) and megatron-core's (1 for itself), the worst batch against it (ours never
     more than 1% slower: the guard), under both models, with the planner's time per step."""
-    rc, out, err = _cli("--sweep", "--sweep-ranks", "8,16", "--sweep-multiples", "1,4", "--max-tokens-per-rank",
+    rc, out, err = _cli("--sweep", "--sweep-ranks", "8,16", "--sweep-multiples", "1,4", "--overlap-hdp-max-tokens-per-rank",
                         "2048", "--steps", "2", "--json", "--no-progress")
     assert rc == 0, err
     rows = json.loads(out.strip().splitlines()[-1])["sweep"]

@@ -82,7 +82,7 @@ def test_tensor_parallel_inside_hdp_is_exact(pool4):
 
 
 def test_pipeline_parallel_hdp_is_exact(pool4):
-    """PP = 2 x HDP = 2, --hdp-mode pp, under Megatron's own 1F1B schedule (variable sequence
+    """PP = 2 x HDP = 2 (the scheduler's pp mode, chosen by the pipeline size), under Megatron's own 1F1B schedule (variable sequence
     lengths): each stage's HDP group is its data-parallel ranks, rings run between the two
     pipelines at the same stage and index, every rank runs the same number of slots; the loss and
     every gradient of plain DP x PP on the same documents."""
@@ -94,7 +94,7 @@ def test_pipeline_parallel_hdp_is_exact(pool4):
         assert worst[1] <= REL_TOL and r["grad_total_rel"] <= REL_TOL, worst
         assert r["group"] == ([0, 1] if r["stage"] == 0 else [2, 3]), r  # one stage of both pipelines
         assert 2 in r["my_rings"] and 1 in r["my_rings"], r["my_rings"]
-        assert r["fixed_shapes"].startswith("OverlapConfigError: --hdp: with pipeline parallelism") and \
+        assert r["fixed_shapes"].startswith("OverlapConfigError: --overlap-hdp: with pipeline parallelism") and \
             "variable_seq_lengths = True" in r["fixed_shapes"], r["fixed_shapes"]
     assert len({r["count"] for r in results}) == 1  # one micro-batch count on every stage of every pipeline
     assert len({r["signature"] for r in results}) == 1  # one plan on all four ranks
@@ -114,10 +114,10 @@ def test_runtime_refusals(pool4):
         kind, _, msg = r["empty"]
         assert kind == "ValueError" and "empty batch" in msg, r["empty"]
         kind, flag, msg = r["too_long"]
-        assert kind == "OverlapConfigError" and flag == "--hdp-max-tokens-per-rank", r["too_long"]
+        assert kind == "OverlapConfigError" and flag == "--overlap-hdp-max-tokens-per-rank", r["too_long"]
         assert "200 tokens" in msg and "R x C = 128" in msg and "at least 50" in msg, msg
         kind, flag, msg = r["not_installed"]
-        assert kind == "OverlapConfigError" and flag == "--hdp" and "install" in msg, r["not_installed"]
+        assert kind == "OverlapConfigError" and flag == "--overlap-hdp" and "install" in msg, r["not_installed"]
         kind, flag, msg = r["yarn"]
         assert kind == "OverlapConfigError" and flag == "--position-embedding-type" and "yarn" in msg, r["yarn"]
         kind, flag, msg = r["no_local_attention"]
@@ -168,9 +168,9 @@ def test_as_samples_formats():
 
 def test_runtime_arguments_refused_before_any_communication():
     group = adapter = None  # never reached: the arguments are refused first
-    with pytest.raises(OverlapConfigError, match="--hdp-max-tokens-per-rank"):
+    with pytest.raises(OverlapConfigError, match="--overlap-hdp-max-tokens-per-rank"):
         HdpRuntime(0, group, adapter)
-    with pytest.raises(OverlapConfigError, match="--hdp-mode"):
+    with pytest.raises(ValueError, match="plans in mode dp or pp, not 'tp'"):
         HdpRuntime(32, group, adapter, mode="tp")
     with pytest.raises(ValueError, match="megatron_balanced"):
         HdpRuntime(32, group, adapter, scheduler="megatron_balanced")
@@ -197,7 +197,7 @@ def test_row_layout_pads_rows_to_a_multiple_for_tensor_parallelism():
 
 
 def test_split_documents_cuts_megatron_rows_where_positions_reset():
-    """``--hdp`` through pretrain_gpt.py: a GPT-dataset row with --reset-position-ids holds its
+    """``--overlap-hdp`` through pretrain_gpt.py: a GPT-dataset row with --reset-position-ids holds its
     documents one after another; each restart of the positions begins a document."""
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [5, 6, 0, 1, 2, 3, 4, 0, 0]])
     tokens = torch.arange(18).view(2, 9)
@@ -252,7 +252,7 @@ def test_a_stage_that_reads_no_batch_still_moves_to_the_next_micro_batch():
 
 def test_a_recomputed_forward_runs_in_the_ring_of_its_forward(monkeypatch):
     """Issue 38: Megatron's activation checkpoints re-run a forward inside the backward, where
-    the HDP micro-batch's ring context is no longer entered. With --hdp installed the function
+    the HDP micro-batch's ring context is no longer entered. With --overlap-hdp installed the function
     saved for the recomputation carries the ring of its forward (both checkpoint kinds); stock
     Megatron (uninstalled) recomputes with no ring. Trained through pretrain_gpt.py with
     selective and full recompute: tests/test_pretrain_gpt.py."""

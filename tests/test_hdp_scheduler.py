@@ -26,7 +26,7 @@ from megatron_overlap.hdp.scheduler import local_ms, ring_ms
 from megatron_overlap.hdp.shard import zigzag_ranges
 from megatron_overlap.hdp.simulate import lower_bound_ms
 
-FLAG = "--hdp-max-tokens-per-rank"
+FLAG = "--overlap-hdp-max-tokens-per-rank"
 COST = HdpCostModel()
 R64, C32K = 64, 32768
 
@@ -448,7 +448,7 @@ def test_bench_heavy_tailed_r64_acceptance():
     """The bench's output, and hdp's balance on the built-in heavy-tailed batches at R=64,
     C=32768: imbalance <= 1.05 and less ring traffic than static CP. (Whether its step is short
     is checked against an exhaustive optimum below, not against the baselines on its own model.)"""
-    rc, out, _ = _cli("--ranks", "64", "--max-tokens-per-rank", "32768", "--json", "--no-progress")
+    rc, out, _ = _cli("--ranks", "64", "--overlap-hdp-max-tokens-per-rank", "32768", "--json", "--no-progress")
     assert rc == 0
     last = json.loads(out.strip().splitlines()[-1])
     s = last["schedulers"]
@@ -467,12 +467,12 @@ def test_bench_heavy_tailed_r64_acceptance():
 def test_bench_lengths_file_and_bad_capacity(tmp_path):
     f = tmp_path / "lens.txt"
     f.write_text("\n".join(str(x) for x in [9000, 3000, 100, 200, 5000, 700] * 4))
-    rc, out, _ = _cli("--lengths-file", str(f), "--ranks", "4", "--max-tokens-per-rank", "4096", "--json",
+    rc, out, _ = _cli("--lengths-file", str(f), "--ranks", "4", "--overlap-hdp-max-tokens-per-rank", "4096", "--json",
                       "--batch-tokens", "72000", "--no-progress")  # all 24 (a file without blank lines needs it)
     assert rc == 0
     last = json.loads(out.strip().splitlines()[-1])
     assert last["config"]["steps"] == 1 and last["config"]["sequences"] == 24
-    rc, _, err = _cli("--ranks", "4", "--max-tokens-per-rank", "0", "--no-progress")
+    rc, _, err = _cli("--ranks", "4", "--overlap-hdp-max-tokens-per-rank", "0", "--no-progress")
     assert rc == 2 and FLAG in err
 
 
@@ -553,8 +553,8 @@ def test_corpus_lengths_from_installed_packages(tmp_path):
 def test_bench_corpus_flags_refuse_bad_combinations():
     rc, _, err = _cli("--corpus", "packages", "--lengths-file", "x.txt", "--no-progress")
     assert rc == 2 and "pass --lengths-file or --corpus, not both" in err
-    rc, _, err = _cli("--microbatch-overhead-ms", "-1", "--no-progress")
-    assert rc == 2 and "--microbatch-overhead-ms must be >= 0, got -1.0" in err
+    rc, _, err = _cli("--micro-batch-overhead-ms", "-1", "--no-progress")
+    assert rc == 2 and "--micro-batch-overhead-ms must be >= 0, got -1.0" in err
 
 
 def test_megatrons_own_workload_model_and_the_microbatch_overhead():

@@ -75,7 +75,7 @@ def _cli(capsys, *args):
 
 
 def test_floor_command(capsys):
-    rc, out, err = _cli(capsys, "--times", "10/10/10", "--stages", "2", "--microbatches", "4", "--transfer-ms", "2",
+    rc, out, err = _cli(capsys, "--times", "10/10/10", "--stages", "2", "--micro-batches", "4", "--transfer-ms", "2",
                         "--json")
     assert rc == 0, err
     assert "floor, B/W split" in out and "stock Megatron 1F1B" in out and "simulated" in out

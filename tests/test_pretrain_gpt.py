@@ -139,7 +139,7 @@ def test_plugin_refuses_megatrons_own_cp_path_clearly():
         in done.stderr
 
 
-HDP = ("--hdp", "--hdp-max-tokens-per-rank", "64")
+HDP = ("--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64")
 HDP_REL = 1e-6
 DIST_OPT = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")
 SELECTIVE = ("--recompute-granularity", "selective")
@@ -155,10 +155,10 @@ def _close(ours, ref, rel: float) -> None:
 
 
 def test_hdp_trains_packed_documents_like_data_parallelism():
-    """--hdp through pretrain_gpt.py: each sample cut into its documents, the documents longer
+    """--overlap-hdp through pretrain_gpt.py: each sample cut into its documents, the documents longer
     than one rank's 64 tokens on rings of two ranks, the losses of plain data parallelism."""
     stock = train("stock", 2, _packed(*CPU_INIT))
-    ours = train("plugin", 2, _packed("--hdp", "--hdp-max-tokens-per-rank", "64", *CPU_INIT))
+    ours = train("plugin", 2, _packed("--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64", *CPU_INIT))
     calls = ours["calls"]
     assert calls.get("hdp.step") == 2 * 5 and calls.get("hdp.ring", 0) > 0, calls  # long documents on rings
     assert calls.get("hdp.planned_ahead") == 2 * 4, calls  # every step after the first planned while one trained
@@ -167,25 +167,26 @@ def test_hdp_trains_packed_documents_like_data_parallelism():
 
 
 def test_hdp_with_pipeline_parallelism_trains_like_data_parallelism():
-    """--hdp --hdp-mode pp at PP=2 x DP=2 on 4 ranks under Megatron's own 1F1B: every stage plans
+    """--overlap-hdp at PP=2 x DP=2 on 4 ranks (the scheduler's pp mode, from the pipeline size)
+    under Megatron's own 1F1B: every stage plans
     the same slots, rings run between the two pipelines at the same stage, the stages exchange each
     micro-batch's shape; the losses of stock PP=2 x DP=2 on the same documents within 1e-6."""
     stock = train("stock", 4, PP2 + _packed())
-    ours = train("plugin", 4, PP2 + _packed("--hdp", "--hdp-max-tokens-per-rank", "64", "--hdp-mode", "pp"))
+    ours = train("plugin", 4, PP2 + _packed("--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64"))
     calls = ours["calls"]
     assert calls.get("hdp.step") == 4 * 5 and calls.get("hdp.ring", 0) > 0, calls
     _close(ours["losses"], stock["losses"], HDP_REL)
 
 
 def test_hdp_with_tensor_parallelism_trains_like_data_parallelism():
-    """--hdp at TP=2 x DP=2 on 4 ranks (each HDP rank a TP group with the TP-overlap linears,
+    """--overlap-hdp at TP=2 x DP=2 on 4 ranks (each HDP rank a TP group with the TP-overlap linears,
     rings between the groups of one TP rank): TP rank 0 reads the documents and hands them to its
     group, every TP rank plans the same step, and the losses are plain DP=2's at TP=1 within 1e-6
     (CPU initialisation: the same weights at every TP size). With an evaluation every 2 steps:
     the script passes no iterator on TP rank 1, for training and validation alike, and the
     evaluation (planned inline) must not take the training step read ahead."""
     stock = train("stock", 2, _with_evaluation(_packed(*CPU_INIT)))
-    ours = train("plugin", 4, TP2 + _with_evaluation(_packed("--hdp", "--hdp-max-tokens-per-rank", "64",
+    ours = train("plugin", 4, TP2 + _with_evaluation(_packed("--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64",
                                                              "--overlap-tp", "p2p", *CPU_INIT)))
     calls = ours["calls"]
     assert calls.get("hdp.step") == 4 * (5 + 3) and calls.get("hdp.ring", 0) > 0 and calls.get("tp.column", 0) > 0, \
@@ -201,7 +202,7 @@ def _checkpoints() -> str:
 
 
 def test_hdp_composes_with_recompute_overlapped_grad_reduce_evaluation_and_resume():
-    """Issue 38: --hdp with what long-context runs carry, through pretrain_gpt.py (DP=2, 5
+    """Issue 38: --overlap-hdp with what long-context runs carry, through pretrain_gpt.py (DP=2, 5
     iterations, an evaluation every 2), against plain DP over the same documents within 1e-6:
     selective recompute with the distributed optimizer's overlapped gradient reduction and
     parameter gather; full recompute (uniform, one layer) with DDP's overlapped gradient
@@ -230,12 +231,12 @@ def test_hdp_composes_with_recompute_overlapped_grad_reduce_evaluation_and_resum
 
 @pytest.mark.parametrize("mode, recompute", [("1f1b", SELECTIVE), ("zb", FULL)], ids=["1f1b", "zb"])
 def test_hdp_runs_under_our_pipeline_schedules(mode, recompute):
-    """Issue 38: --hdp --hdp-mode pp at PP=2 x DP=2 under --overlap-pp 1f1b and zb (each
+    """Issue 38: --overlap-hdp (pipeline mode) at PP=2 x DP=2 under --overlap-pp 1f1b and zb (each
     micro-batch sent with its own length, the lengths checked between the stages once per step),
     with recompute, the distributed optimizer's overlapped gradient reduction and parameter
     gather, and an evaluation every 2 steps: stock PP=2 x DP=2's losses and evaluations within 1e-6."""
     stock = train("stock", 4, PP2 + _with_evaluation(_packed(*DIST_OPT)))
-    ours = train("plugin", 4, PP2 + _with_evaluation(_packed(*HDP, "--hdp-mode", "pp", *DIST_OPT, *recompute,
+    ours = train("plugin", 4, PP2 + _with_evaluation(_packed(*HDP, *DIST_OPT, *recompute,
                                                              "--overlap-pp", mode)))
     calls = ours["calls"]
     steps = 4 * (5 + 3)  # ranks x (training steps + evaluations)

@@ -33,7 +33,7 @@ def _setup(which: str):
     tp, cp = (2, 1) if which.startswith("tp") else (1, 2) if which.startswith("cp") else (1, 1)
     tiny_gpt.init_parallel(tp, cp=cp, timeout_minutes=PG_TIMEOUT_S / 60)
     flags = {"tp": ["--overlap-tp", "p2p"], "cp": ["--overlap-cp", "ring"],
-             "hd": ["--hdp", "--hdp-max-tokens-per-rank", "16"]}[which[:2]]
+             "hd": ["--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "16"]}[which[:2]]
     inst = megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(
         flags + ["--overlap-timeout-s", str(OVERLAP_TIMEOUT_S)]))
     spec = tiny_gpt.TinyGPT(num_layers=1, hidden=32, ffn=64, heads=4, kv_heads=2, seq=16, micro_batch=1)

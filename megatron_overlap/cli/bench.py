@@ -26,12 +26,15 @@ def add_mlp_args(parser: argparse.ArgumentParser, layer: bool = False):
     parser.add_argument("--overlap-tp-chunks", dest="chunks", type=int, default=d.chunks)
     parser.add_argument("--overlap-tp-rs", dest="rs", choices=("ring", "a2a"), default=d.rs)
     parser.add_argument("--overlap-tp-bidirectional", dest="bidirectional", action="store_true")
-    parser.add_argument("--sub-batches", type=int, default=d.sub_batches, metavar="N",
-                        help="also run per-op overlap with each attention and MLP block cut into N sub-batches "
-                        "(--overlap-tp-sub-batches N), in the same rounds")
+    parser.add_argument("--overlap-tp-sub-batches", dest="sub_batches", type=int, default=d.sub_batches, metavar="N",
+                        help="also run per-op overlap with each attention and MLP block cut into N sub-batches, in "
+                        "the same rounds")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--timeline", default="", metavar="PNG", help="draw the last round's timeline here")
+    from ..args import add_alias
+
+    add_alias(parser, "--sub-batches", "--overlap-tp-sub-batches")
     parser.add_argument("--predict", action="store_true",
                         help="after the run, time this CPU's GEMM shapes (one thread) and print the cost "
                         "model's prediction of both step times beside the measurement")
@@ -43,7 +46,7 @@ def check_mlp(cfg, command: str) -> None:
 
     counts(command, tp=(cfg.tp, 2), seq=(cfg.seq, 1), hidden=(cfg.hidden, 1), ffn=(cfg.ffn, 1),
            micro_batch=(cfg.micro_batch, 1), steps=(cfg.steps, 1), warmup=(cfg.warmup, 0),
-           sub_batches=(cfg.sub_batches, 1), heads=(cfg.heads, 1), overlap_tp_chunks=(cfg.chunks, 0))
+           overlap_tp_sub_batches=(cfg.sub_batches, 1), heads=(cfg.heads, 1), overlap_tp_chunks=(cfg.chunks, 0))
     amounts(command, ("comm_ratio",), comm_ratio=cfg.comm_ratio, latency_us=cfg.latency_us)
     if cfg.seq % cfg.tp:
         raise SystemExit(f"{command}: --seq {cfg.seq} does not split over --tp {cfg.tp} (sequence parallelism)")

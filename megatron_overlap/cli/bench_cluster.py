@@ -89,7 +89,7 @@ def check(cfg: ClusterConfig, ranks: int = 0, cores: int = 0, memory_gb: float =
     if cfg.pp < 2 or cfg.dp < 1:
         raise BenchError(f"needs --pp >= 2 and --dp >= 1, got {cfg.pp} and {cfg.dp}")
     if cfg.microbatches < cfg.pp:
-        raise BenchError(f"--microbatches {cfg.microbatches} is below --pp {cfg.pp}: every schedule here needs at "
+        raise BenchError(f"--micro-batches {cfg.microbatches} is below --pp {cfg.pp}: every schedule here needs at "
                          "least one micro-batch per stage")
     if ranks and ranks != cfg.world:
         raise BenchError(f"--ranks {ranks} is not --pp {cfg.pp} x --dp {cfg.dp} = {cfg.world}; give two of them")

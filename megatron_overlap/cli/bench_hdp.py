@@ -30,7 +30,7 @@ Scores, per scheduler, over the steps::
 
     imbalance              mean over steps of  max_r work_r / mean_r work_r   (busy time, waits excluded)
     step_time_ms           mean over steps of the simulated step (simulate.py: ring peers wait for
-                           each other, phases end with a barrier), with ``--microbatch-overhead-ms``
+                           each other, phases end with a barrier), with ``--micro-batch-overhead-ms``
                            per micro-batch added (hdp plans without it: the home-field bias shows)
     vs_bound               mean over steps of step / ``simulate.lower_bound_ms``
     square_vs_bound        the same plans scored by megatron-core's own model (L^2 / cp per rank, no
@@ -256,11 +256,13 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "library's source files concatenated per package (cli/corpus.py)")
     parser.add_argument("--write-lengths", default="", metavar="F",
                         help="also write the batches to F in the --lengths-file format")
-    parser.add_argument("--microbatch-overhead-ms", type=float, default=1.0, metavar="MS",
+    parser.add_argument("--micro-batch-overhead-ms", dest="microbatch_overhead_ms", type=float, default=1.0,
+                        metavar="MS",
                         help="fixed cost of each micro-batch when scoring (not when hdp plans)")
     parser.add_argument("--ranks", type=int, default=64, help="R = DP x CP ranks")
-    parser.add_argument("--max-tokens-per-rank", type=int, default=32768, metavar="C",
-                        help="C: rows one rank holds in a micro-batch (--hdp-max-tokens-per-rank)")
+    parser.add_argument("--overlap-hdp-max-tokens-per-rank", dest="max_tokens_per_rank", type=int, default=32768,
+                        metavar="C",
+                        help="C: rows one rank holds in a micro-batch (as the training flag)")
     parser.add_argument("--steps", type=int, default=4, help="full batches drawn from the distribution")
     parser.add_argument("--batch-tokens", type=int, default=0, metavar="T",
                         help="tokens per full batch: drawn, dealt from --corpus, or cut from --lengths-file in file "
@@ -270,8 +272,9 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(default: what the R ranks hold)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mode", choices=MODES, default="dp",
-                        help="hdp balance: dp = each rank's work per step, pp = also similar lengths per "
-                             "micro-batch index")
+                        help="the scheduler's mode: dp = each rank's work per step balanced (what --overlap-hdp "
+                             "runs without a pipeline), pp = also the same micro-batch count on every rank, similar "
+                             "lengths per index (what it runs with --pipeline-model-parallel-size > 1)")
     parser.add_argument("--hardware", choices=sorted(HARDWARE), default="h100-sxm")
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
     parser.add_argument("--no-guard", action="store_true",
@@ -285,6 +288,10 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--sweep-multiples", default="1,2,4,8", metavar="M,M")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
     parser.add_argument("--no-progress", action="store_true")
+    from ..args import add_alias
+
+    add_alias(parser, "--max-tokens-per-rank", "--overlap-hdp-max-tokens-per-rank")
+    add_alias(parser, "--microbatch-overhead-ms", "--micro-batch-overhead-ms")
     return parser
 
 
@@ -296,12 +303,11 @@ def hdp_main(args) -> int:
     R, C = args.ranks, args.max_tokens_per_rank
     try:
         if C <= 0:
-            raise OverlapConfigError(CAPACITY_FIELD, f"must be a positive number of tokens, got {C} "
-                                     f"(bench flag --max-tokens-per-rank)")
+            raise OverlapConfigError(CAPACITY_FIELD, f"must be a positive number of tokens, got {C}")
         if R < 1:
             raise ValueError(f"--ranks must be >= 1, got {R}")
         if args.microbatch_overhead_ms < 0:
-            raise ValueError(f"--microbatch-overhead-ms must be >= 0, got {args.microbatch_overhead_ms}")
+            raise ValueError(f"--micro-batch-overhead-ms must be >= 0, got {args.microbatch_overhead_ms}")
         batches, source = load_batches(args)
         cost = HdpCostModel.named(args.hardware, args.model)
         if args.write_lengths:

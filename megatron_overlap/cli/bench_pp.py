@@ -244,7 +244,7 @@ def add_pp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for f in fields(PPBench):
         if f.name == "seed":
             continue
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)), default=None,
+        parser.add_argument(_flag(f.name), dest=f.name, type=type(getattr(defaults, f.name)), default=None,
                             help=f"default {getattr(defaults, f.name)} (with --emulate: the cluster's own)")
     parser.add_argument("--timeline", default="", metavar="PNG", help="draw one step per stage to PNG")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
@@ -253,7 +253,15 @@ def add_pp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="write this run's measured F/B/W per stage, parameters and link to FILE, for "
                         "`bench pp --emulate --durations FILE`")
     add_emulate_args(parser)
+    from ..args import add_alias
+
+    add_alias(parser, "--microbatches", "--micro-batches")
     return parser
+
+
+def _flag(name: str) -> str:
+    """A ``PPBench`` field's flag (``microbatches``: ``--micro-batches``, as in plan and floor)."""
+    return "--micro-batches" if name == "microbatches" else "--" + name.replace("_", "-")
 
 
 def pp_main(args) -> int:
@@ -275,11 +283,11 @@ def pp_main(args) -> int:
     cfg = PPBench(**values)
     from .checks import amounts, counts  # every value checked before the ranks start
 
-    counts("bench pp", **{f.name: (getattr(cfg, f.name), 0 if f.name == "warmup" else 1) for f in fields(PPBench)
-                          if f.type in ("int", int) and f.name != "seed"})
+    counts("bench pp", **{_flag(f.name)[2:].replace("-", "_"): (getattr(cfg, f.name), 0 if f.name == "warmup" else 1)
+                          for f in fields(PPBench) if f.type in ("int", int) and f.name != "seed"})
     amounts("bench pp", comm_ratio=cfg.comm_ratio, latency_us=cfg.latency_us)
     if cfg.pp < 2 or cfg.microbatches < cfg.pp:
-        print(f"bench pp: needs --pp >= 2 and --microbatches >= --pp, got {cfg.pp} and {cfg.microbatches}",
+        print(f"bench pp: needs --pp >= 2 and --micro-batches >= --pp, got {cfg.pp} and {cfg.microbatches}",
               file=sys.stderr)
         return 2
     if cfg.layers % cfg.pp:

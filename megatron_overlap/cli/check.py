@@ -62,7 +62,7 @@ def report() -> dict:
     info["backends"] = {name: {"usable": ok, "note": note} for name, (ok, note) in backends.items()}
     split = "local spec only (Transformer Engine's wgrad deferral is untested, so zb refuses it)"
     schedules = {
-        "off": (True, "Megatron's own pipeline schedule"),
+        "megatron": (True, "Megatron's own pipeline schedule"),
         "1f1b": (mcore_ok, "1F1B with every stage transfer posted early, waited late; "
                            "--overlap-pp-max-inflight K (2 x PP - 1 hides the steady-state transfers); with a "
                            "virtual pipeline Megatron's interleaved order"),

@@ -42,7 +42,7 @@ def check_virtual(cfg, layers: int, error) -> None:
     if bad:
         raise error(f"--schedules {','.join(bad)} with --vpp {v}: virtual pipelines run {', '.join(VIRTUAL_MODES + EVERY_CHUNK)}")
     if cfg.microbatches % cfg.pp:
-        raise error(f"--microbatches {cfg.microbatches} is not a multiple of --pp {cfg.pp}: Megatron's interleaved "
+        raise error(f"--micro-batches {cfg.microbatches} is not a multiple of --pp {cfg.pp}: Megatron's interleaved "
                     "schedule (stock, with --vpp > 1) requires it")
     if layers and layers % (cfg.pp * v):
         raise error(f"{cfg.model}'s {layers} layers do not divide into --pp {cfg.pp} x --vpp {v} = {cfg.pp * v} "

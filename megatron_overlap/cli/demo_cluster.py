@@ -15,19 +15,31 @@ from __future__ import annotations
 
 from typing import Optional
 
-DEFAULT = "8x2x8"  # PP x DP x micro-batches
+DEFAULT = (8, 2, 8)  # PP x DP, micro-batches
+OLD_SPELLINGS = (("--cluster PPxDPxM", "--cluster PPxDP --micro-batches M"),)  # still read, with a warning
 
 
-def parse_cluster(text: str) -> Optional[tuple]:
-    """``PPxDPxM`` (``off``: skip the part)."""
+def parse_cluster(text: str, microbatches: Optional[int] = None) -> Optional[tuple]:
+    """``--cluster PPxDP`` and ``--micro-batches M`` (``off``: skip the part); the old
+    ``PPxDPxM`` still works, with a deprecation warning."""
     if text in ("off", "none", ""):
         return None
     try:
-        pp, dp, m = (int(x) for x in text.lower().split("x"))
+        sizes = [int(x) for x in text.lower().split("x")]
+        if len(sizes) not in (2, 3):
+            raise ValueError(text)
     except ValueError:
-        raise SystemExit(f"demo: --cluster {text!r}: give PPxDPxM (pipeline stages x data-parallel replicas x "
-                         f"micro-batches, e.g. {DEFAULT}) or off")
-    return pp, dp, m
+        raise SystemExit(f"demo: --cluster {text!r}: give PPxDP (pipeline stages x data-parallel replicas, e.g. "
+                         f"{DEFAULT[0]}x{DEFAULT[1]}; micro-batches: --micro-batches) or off")
+    if len(sizes) == 3:
+        from ..args import deprecation
+
+        if microbatches is not None:
+            raise SystemExit(f"demo: --cluster {text!r} gives the micro-batches too; drop --micro-batches or give "
+                             "--cluster PPxDP")
+        deprecation(*OLD_SPELLINGS[0])
+        return tuple(sizes)
+    return sizes[0], sizes[1], DEFAULT[2] if microbatches is None else microbatches
 
 
 def cluster_config(spec: tuple, model: str = "llama3-70b", hardware: str = "h100-sxm", steps: int = 4):

@@ -1,7 +1,7 @@
-"""``megatron-overlap demo --hdp``: hybrid data parallelism on real ranks, on a CPU.
+"""``megatron-overlap demo --overlap-hdp``: hybrid data parallelism on real ranks, on a CPU.
 
 Four gloo ranks (spawned here) hold one tiny GPT each (Megatron's local spec, fp32, CP 1,
-``--hdp`` installed) and one mixed-length full batch, dealt round-robin to the HDP ranks as a data
+``--overlap-hdp`` installed) and one mixed-length full batch, dealt round-robin to the HDP ranks as a data
 loader would. TP 1: four HDP ranks. ``--tp 2``: two HDP ranks, each a TP group of two running
 the TP-overlap linears with sequence parallelism, rings between the groups. The same batch runs twice through ``hdp.runtime`` (lengths all-gathered, plan,
 token exchange, forward + backward per micro-batch inside its ring context):

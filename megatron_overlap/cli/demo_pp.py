@@ -21,8 +21,8 @@ STEPS = 8
 PP_HIDDEN, PP_HEADS = PPBench.hidden, PPBench.heads  # --hidden (the FFN 4x it; 768, 3072 by default)
 
 
-def run_pp_demo(stages: int = 2, steps: int = STEPS, out_dir: str = "runs/demo", progress: bool = True,
-                hidden: int = PP_HIDDEN) -> dict:
+def run_pp_demo(stages: int = 2, steps: int = STEPS, timeline_png: str = "runs/demo/pp_timeline.png",
+                progress: bool = True, hidden: int = PP_HIDDEN) -> dict:
     from tqdm import tqdm
 
     from ..lab.pp_bench import PPBenchRanks
@@ -51,11 +51,10 @@ def run_pp_demo(stages: int = 2, steps: int = STEPS, out_dir: str = "runs/demo",
               "losses": losses, "step_ms": {m: [1e3 * w for w in walls[m]] for m in modes},
               "speedup": statistics.median(walls["stock"][i] / walls["zb"][i] for i in timed),
               "identical": losses["stock"] == losses["zb"]}
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(timeline_png) or ".", exist_ok=True)
     last = [{"zb": {"trace": r["zb"]["trace"], "wall_s": r["zb"]["wall_s"][-1]},
              "stock": {"wall_s": r["stock"]["wall_s"][-1]}} for r in per_rank]
-    result["timeline_png"] = draw_timeline(last, described, cfg, os.path.join(out_dir, "pp_timeline.png"),
-                                           modes=("stock", "zb"))
+    result["timeline_png"] = draw_timeline(last, described, cfg, timeline_png, modes=("stock", "zb"))
     return result
 
 

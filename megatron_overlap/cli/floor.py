@@ -34,7 +34,8 @@ def add_floor_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--times", type=_times, nargs="+", required=True, metavar="F/B/W",
                         help="ms per micro-batch, one F/B/W per stage (or one for every stage, with --stages)")
     parser.add_argument("--stages", type=int, default=0, help="stages, when one --times serves them all")
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--micro-batches", dest="microbatches", type=int, default=8, metavar="M",
+                        help="micro-batches per step")
     parser.add_argument("--transfer-ms", type=float, default=0.0, help="one activation (or gradient) on the wire")
     parser.add_argument("--latency-ms", type=float, default=0.0)
     parser.add_argument("--memory", type=float, default=1.0,
@@ -44,6 +45,9 @@ def add_floor_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="let a piece of W of MS ms, holding SHARE of an activation, run apart from the rest")
     parser.add_argument("--time-limit", type=float, default=60.0, help="solver seconds")
     parser.add_argument("--json", action="store_true")
+    from ..args import add_alias
+
+    add_alias(parser, "--microbatches", "--micro-batches")
     return parser
 
 
@@ -87,7 +91,7 @@ def format_floor(result: dict) -> str:
 def floor_main(args) -> int:
     from .checks import amounts, counts
 
-    counts("floor", stages=(args.stages, 0), microbatches=(args.microbatches, 1))
+    counts("floor", stages=(args.stages, 0), micro_batches=(args.microbatches, 1))
     amounts("floor", ("memory", "time_limit"), transfer_ms=args.transfer_ms, latency_ms=args.latency_ms,
             memory=args.memory, w_share=args.w_share, time_limit=args.time_limit)
     if args.w_share > 1:

@@ -10,7 +10,14 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-overlap",
-        description="Hide Megatron-LM's tensor-parallel communication behind its GEMMs.",
+        description="Hide the communication of Megatron-LM's 4D parallelism behind its compute, switched on by "
+        "flags on pretrain_gpt.py: tensor parallelism (--overlap-tp: the sequence-parallel all-gathers and "
+        "reduce-scatters behind the GEMMs they feed, chunked rings or fused kernels, --overlap-tp-sub-batches); "
+        "context parallelism on Megatron's local attention (--overlap-cp ring, a2a, hybrid; packed documents); "
+        "hybrid data parallelism (--overlap-hdp: each long sequence on a ring of the fewest ranks that hold it, work "
+        "balanced across the data-parallel ranks); pipeline schedules (--overlap-pp 1f1b, zb, zbv: transfers "
+        "posted early, zero bubble, the data-parallel sync in the bubbles). Stock Megatron's numerics: bit for bit, or "
+        "within fp32 rounding where docs/ says so.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -56,11 +63,16 @@ def _parser() -> argparse.ArgumentParser:
 
     from .plan import add_plan_args
 
-    add_plan_args(sub.add_parser("plan", help="rank the TP-overlap strategies for a model on a machine (cost model)"))
+    add_plan_args(sub.add_parser("plan", help="rank the strategies (TP overlap, sub-batches, pipeline schedules) for a "
+                                 "model on a machine (cost model)"))
 
     report = sub.add_parser("report", help="summarize and draw the traces of --overlap-trace / demo --trace")
     report.add_argument("directory")
-    report.add_argument("--png", default="", help="timeline PNG (default: DIR/timeline.png)")
+    report.add_argument("--timeline", default="", metavar="PNG", help="draw the timeline here (default: "
+                        "DIR/timeline.png)")
+    from ..args import add_alias
+
+    add_alias(report, "--png", "--timeline")
 
     check = sub.add_parser("check", help="print versions and which backends are usable here")
     check.add_argument("--json", action="store_true", help="one JSON object instead of text")
@@ -97,7 +109,7 @@ def main(argv=None) -> int:
         from ..trace.report import report
 
         try:
-            table, png = report(args.directory, args.png or os.path.join(args.directory, "timeline.png"))
+            table, png = report(args.directory, args.timeline or os.path.join(args.directory, "timeline.png"))
         except FileNotFoundError as exc:
             print(exc, file=sys.stderr)
             return 2

@@ -1,6 +1,6 @@
 """The ring of the micro-batch in hand, when something other than Megatron's CP group decides it.
 
-Hybrid data parallelism (``--hdp``) gives every sequence its own ring: an ordered list of ranks
+Hybrid data parallelism (``--overlap-hdp``) gives every sequence its own ring: an ordered list of ranks
 inside one parent group (no communicator per ring), chosen per micro-batch by the scheduler. The
 HDP runtime enters :func:`ring` around each micro-batch's forward and backward; the patched
 ``DotProductAttention`` (``patch._attention_forward``) then runs :func:`cp_attention` over that

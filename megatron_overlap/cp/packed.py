@@ -9,7 +9,7 @@ document, document after document::
 
     local rows of rank r = [doc0 chunk r, doc0 chunk 2n-1-r, doc1 chunk r, doc1 chunk 2n-1-r, ...]
 
-A "ring" of one rank (n = 1: ``--hdp``'s micro-batches of short sequences held whole) cuts
+A "ring" of one rank (n = 1: ``--overlap-hdp``'s micro-batches of short sequences held whole) cuts
 nothing: the multiple is 1, the rank holds every document whole and needs no padding (as
 Megatron's ``get_thd_batch_on_this_cp_rank`` leaves a batch alone at CP = 1).
 

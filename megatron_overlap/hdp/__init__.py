@@ -15,10 +15,10 @@ balanced, sequences kept where they were loaded where the step allows.
     samples.py     a rank's share of the full batch (``Sample``, ``as_samples``)
     layout.py      which token rows a rank holds in a micro-batch (pure, from the plan)
     exchange.py    the lengths all-gather and the one row all-to-all, over an explicit group
-    runtime.py     ``--hdp`` on real ranks: plan, exchange, micro-batches with their rings and
+    runtime.py     ``--overlap-hdp`` on real ranks: plan, exchange, micro-batches with their rings and
                    true positions, exact loss normalisation, Megatron's per-token-loss contract
 
-``megatron-overlap bench hdp`` and ``demo --hdp`` live in ``cli/`` (and ``lab/``).
+``megatron-overlap bench hdp`` and ``demo --overlap-hdp`` live in ``cli/`` (and ``lab/``).
 
 Only ``runtime`` and ``exchange`` communicate, over an explicit group, and neither is imported
 here. Nothing in this package imports Megatron: the runtime's model adapter and megatron-core's

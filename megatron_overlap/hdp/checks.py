@@ -1,4 +1,4 @@
-"""Model settings the ``--hdp`` runtime cannot honour, checked at install from the model's
+"""Model settings the ``--overlap-hdp`` runtime cannot honour, checked at install from the model's
 arguments. Unknown settings pass."""
 
 from __future__ import annotations
@@ -24,18 +24,13 @@ def check_hdp_model(hdp, ctx, pp=None) -> None:
             "megatron.context_parallel_size",
             "`hdp.enabled` merges data and context parallelism into one group and picks each sequence's ring "
             f"itself; set `megatron.context_parallel_size` 1 (got {ctx.cp_size})")
-    if ctx.pp_size is not None and ctx.pp_size > 1 and hdp.mode != "pp":
+    if ctx.hybrid_context_parallel:
         raise OverlapConfigError(
-            "hdp.enabled", f"with `megatron.pipeline_model_parallel_size` {ctx.pp_size} needs `hdp.mode` pp: `hdp.mode` "
-            "dp balances whole steps, giving ranks different micro-batch counts, and a pipeline runs one count on "
-            "every stage; `hdp.mode` pp gives every rank the same number of slots, similar lengths at each index")
+            "hdp.enabled", "and Megatron's `megatron.hybrid_context_parallel` both regroup the data-parallel ranks into "
+            "rings per sequence, and they cannot share a step; pass one of them")
     if ctx.transformer_impl == "transformer_engine":
         raise OverlapConfigError(
             "hdp.enabled", "runs its rings through Megatron's local attention; pass `megatron.transformer_impl` local")
-    if ctx.pp_size == 1 and hdp.mode == "pp" and "mode" in hdp.explicit:
-        raise OverlapConfigError(
-            "hdp.mode", "pp keeps similar lengths at each micro-batch index for a pipeline, and this run has "
-            "`megatron.pipeline_model_parallel_size` 1: use `hdp.mode` dp (the default)")
     tp, world = ctx.tp_size or 1, ctx.world_size
     if world is not None and world % (tp * (ctx.pp_size or 1)):
         raise OverlapConfigError(

@@ -1,4 +1,4 @@
-"""The ``--hdp`` runtime: one step's full batch, planned by the scheduler, run on real ranks.
+"""The ``--overlap-hdp`` runtime: one step's full batch, planned by the scheduler, run on real ranks.
 
 Per step, on every rank of one process group G (Megatron's data-parallel group with CP = 1, or
 WORLD), R = |G| ranks::
@@ -20,7 +20,7 @@ WORLD), R = |G| ranks::
                    short sequences held whole) with its THD ``PackedSeqParams``.
 
 Attention. ``MicroBatch.context(model)`` enters ``cp.context.ring(G, ring, packed)``: the
-patched Megatron ``DotProductAttention.forward`` (``megatron_overlap.install`` with ``--hdp``)
+patched Megatron ``DotProductAttention.forward`` (``megatron_overlap.install`` with ``--overlap-hdp``)
 then runs ``cp_attention(mode="ring")`` over that explicit rank list inside G; no process group
 is ever created per ring or per step (``integration.hdp.make_runtime`` makes G itself once: a
 communicator of HDP's own over the data-parallel ranks, so that Megatron's overlapped gradient
@@ -196,20 +196,21 @@ class HdpStep:
 class HdpRuntime:
     """Plans and loads steps for one process group (module docstring).
 
-    ``capacity_tokens``: C of ``--hdp-max-tokens-per-rank``; ``mode``: ``--hdp-mode`` (dp, pp);
+    ``capacity_tokens``: C of ``--overlap-hdp-max-tokens-per-rank``; ``mode``: ``dp`` (whole steps
+    balanced) or ``pp`` (the same micro-batch count on every rank, for a pipeline);
     ``scheduler``: ``hdp`` or ``static`` (the fixed-CP baseline, for comparisons);
     ``adapter``: the model adapter (module docstring); ``device``: where micro-batch tensors go
     (default: the current CUDA device under NCCL, else CPU); ``row_multiple``: every micro-batch's
     rows padded to a multiple of it (the TP size under sequence parallelism: each HDP "rank" is
     then a TP group, its TP ranks holding the same samples and running the same plan). ``integration.hdp.make_runtime``
-    builds one from the config of ``--hdp`` for Megatron's model and groups."""
+    builds one from the config of ``--overlap-hdp`` for Megatron's model and groups."""
 
     def __init__(self, capacity_tokens: int, group: dist.ProcessGroup, adapter, mode: str = "dp",
                  scheduler: str = "hdp", cost=None, device=None, row_multiple: int = 1, timeout_s=None, peer=None):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"the HDP runtime runs the {' or '.join(SCHEDULERS)} scheduler, not {scheduler!r}")
         if mode not in MODES:
-            raise OverlapConfigError("hdp.mode", f"unknown mode {mode!r}; choose dp or pp")
+            raise ValueError(f"the HDP runtime plans in mode dp or pp, not {mode!r}")
         if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens <= 0:
             raise OverlapConfigError("hdp.max_tokens", f"must be a positive number of tokens, got {capacity_tokens!r}")
         if isinstance(row_multiple, bool) or not isinstance(row_multiple, int) or row_multiple < 1:

@@ -3,7 +3,7 @@ ranks that hold it (more where that shortens the step), every rank's work per st
 small slack of the others.
 
 Input: the sequence lengths of the full batch, the ranks R, the per-rank capacity C
-(``--hdp-max-tokens-per-rank``: rows one rank holds in a micro-batch, zigzag padding included;
+(``--overlap-hdp-max-tokens-per-rank``: rows one rank holds in a micro-batch, zigzag padding included;
 the TP padding of ``layout.row_layout`` comes on top) and the
 cost model (``cost.HdpCostModel``; every scheduler is scored by the same one). Output: a
 ``plan.Plan``, per rank the ordered micro-batches. Pure Python, no communication, deterministic:

@@ -1,6 +1,6 @@
 """Megatron's local ``DotProductAttention`` -> ``cp`` (patch table in ``install.py``).
 
-``--overlap-cp`` / ``--hdp``: the class runs context-parallel attention when its config has
+``--overlap-cp`` / ``--overlap-hdp``: the class runs context-parallel attention when its config has
 CP > 1 (its own ``__init__`` asserts CP == 1, so it runs with CP set to 1 for the duration of
 the call), or under an HDP ring context (``cp.context``); layers with CP == 1 keep the stock
 code. Without them only ``__init__`` is wrapped, and only where Megatron would assert: CP > 1
@@ -119,7 +119,7 @@ def _attention_forward(inst, original):
                 "feeds the model through megatron_overlap.hdp.runtime (HdpDataIterator + forward_step, or "
                 "forward_backward)")
         mask_type = attn_mask_type or self.attn_mask_type
-        if ring is not None:  # --hdp: the micro-batch's own ring (or one rank), packed layout
+        if ring is not None:  # --overlap-hdp: the micro-batch's own ring (or one rank), packed layout
             if attention_bias is not None:
                 raise OverlapConfigError("hdp.enabled", "hybrid data parallelism takes no attention bias")
             scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)

@@ -3,7 +3,7 @@
 :class:`MegatronModel` is the runtime's model adapter (``hdp.runtime``): it refuses the models
 the runtime cannot run exactly, gives every row its true RoPE position, checks the patched
 attention is installed, and builds Megatron's ``PackedSeqParams`` for the ring context.
-:func:`make_runtime` builds an ``HdpRuntime`` from the config of ``--hdp`` (explicitly passed:
+:func:`make_runtime` builds an ``HdpRuntime`` from the config of ``--overlap-hdp`` (explicitly passed:
 nothing is read back from an installation), over a communicator of HDP's own (:func:`own_group`).
 :func:`patch_groups` makes that communicator beside Megatron's groups; :func:`patch_recompute`
 makes Megatron's activation checkpoints keep the ring of the forward for its recomputation.
@@ -132,7 +132,7 @@ def patch_groups(inst) -> None:
     ``_initialize_distributed``; patch table in ``install.py``). Making a group waits for every
     rank, bounded only by the process groups' timeout; a peer silent at the first step then
     meets the step's own waits, which ``--overlap-timeout-s`` bounds. With CP > 1 nothing is
-    made (``--hdp`` refuses it when it runs)."""
+    made (``--overlap-hdp`` refuses it when it runs)."""
     from megatron.core import parallel_state
 
     def make() -> None:
@@ -296,7 +296,9 @@ def make_runtime(hdp, group: Optional[dist.ProcessGroup] = None, **kwargs):
     this rank's TP rank and pipeline stage; collective over WORLD the first time), with
     the Megatron model adapter and, with TP > 1, rows padded to a multiple of the TP size
     (sequence parallelism splits them; without it the padding is only wasted rows).
-    ``kwargs`` go to the runtime (``scheduler``, ``cost``, ``device``, ``row_multiple``, ``timeout_s``:
+    The scheduler's mode follows the pipeline: ``pp`` (every rank the same number of micro-batch
+    slots) with more than one stage, else ``dp`` (whole steps balanced).
+    ``kwargs`` go to the runtime (``mode``, ``scheduler``, ``cost``, ``device``, ``row_multiple``, ``timeout_s``:
     default, the installed config's ``comm.timeout_s``); ``guard=True`` gives it megatron-core's
     ``BalancedCPScheduler`` as the peer ``hdp.guard`` checks every plan against."""
     from ..hdp.runtime import HdpRuntime
@@ -304,11 +306,11 @@ def make_runtime(hdp, group: Optional[dist.ProcessGroup] = None, **kwargs):
     if not hdp.enabled:
         raise OverlapConfigError("hdp.enabled", "no `hdp.enabled` in this config: the HDP runtime needs it (with "
                                  "`hdp.max_tokens`)")
-    if "row_multiple" not in kwargs:
-        from megatron.core import parallel_state
+    from megatron.core import parallel_state
 
-        if parallel_state.model_parallel_is_initialized():
-            kwargs["row_multiple"] = parallel_state.get_tensor_model_parallel_world_size()
+    if parallel_state.model_parallel_is_initialized():
+        kwargs.setdefault("row_multiple", parallel_state.get_tensor_model_parallel_world_size())
+        kwargs.setdefault("mode", "pp" if parallel_state.get_pipeline_model_parallel_world_size() > 1 else "dp")
     if "timeout_s" not in kwargs:  # --overlap-timeout-s of the installation in force bounds the exchange too
         from .install import active_config
 
@@ -318,5 +320,4 @@ def make_runtime(hdp, group: Optional[dist.ProcessGroup] = None, **kwargs):
         from .baselines import schedule_megatron_balanced
 
         kwargs["peer"] = schedule_megatron_balanced
-    return HdpRuntime(hdp.max_tokens, group if group is not None else default_group(), MegatronModel(),
-                      mode=hdp.mode, **kwargs)
+    return HdpRuntime(hdp.max_tokens, group if group is not None else default_group(), MegatronModel(), **kwargs)

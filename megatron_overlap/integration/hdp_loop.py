@@ -1,4 +1,4 @@
-"""Megatron-LM's training loop -> the ``hdp`` runtime: ``--hdp`` through ``pretrain_gpt.py``
+"""Megatron-LM's training loop -> the ``hdp`` runtime: ``--overlap-hdp`` through ``pretrain_gpt.py``
 unmodified (patch table in ``install.py``).
 
 ``train()`` and ``evaluate()`` take their schedule from ``get_forward_backward_func``, bound by
@@ -11,8 +11,8 @@ name in ``megatron.training.training``. There it is wrapped so that each call of
    each end-of-document token under ``--reset-position-ids``; packed THD batches carry
    ``cu_seqlens``);
 2. the runtime plans the step over the data-parallel group (``hdp.runtime.HdpDataIterator``):
-   this rank's micro-batch count replaces ``num_microbatches`` (it differs between ranks with
-   ``--hdp-mode dp``; with ``pp``, under a pipeline, every rank runs the same slots). Planned one
+   this rank's micro-batch count replaces ``num_microbatches`` (it differs between ranks without
+   a pipeline; under one, every rank runs the same slots: the scheduler's ``pp`` mode). Planned one
    step ahead (``hdp.planahead``): while a step is loaded the next step's documents are read and
    their lengths all-gathered, and a helper process plans them while this step trains (one
    ``HdpDataIterator`` per script data iterator, so validation steps keep their own). The next

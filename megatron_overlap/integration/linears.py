@@ -40,7 +40,7 @@ def resolve_auto(tp, args, notice):
     fastest (stock included); elsewhere ``symm-mem`` where it runs, else ``p2p``. An explicit
     decomposition (``--overlap-tp-chunks`` / ``-rs`` / ``-bidirectional``) is honoured: ``auto``
     then chooses only between stock and the backend that takes it, ``p2p``, with the user's
-    values. ``--overlap-autotune`` / ``--overlap-plan`` leave the choice to their measurements
+    values. ``--overlap-tp-autotune`` / ``--overlap-tp-plan-file`` leave the choice to their measurements
     (``p2p``, or ``symm-mem`` where it runs). Sub-batches ``auto`` adds each candidate cut into 2
     and 3 (with a concrete mode, only the count is chosen); without the cost model's answer the
     blocks run whole (1), said in a notice: the cut changes the weight gradients' last bits."""

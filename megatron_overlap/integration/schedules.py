@@ -14,7 +14,7 @@ through ``batch_isend_irecv`` on the pipeline group, both ends posting the same 
 the same order, every wait bounded by the group's timeout.
 
 Shapes. Every micro-batch's activation has Megatron's ``get_tensor_shapes`` shape, the same for
-all of them; under ``--hdp --hdp-mode pp`` (``hdp_loop.py``) micro-batch k has its own token
+all of them; under ``--overlap-hdp`` with a pipeline (``hdp_loop.py``) micro-batch k has its own token
 rows T_k, which the HDP loop gives the executor (``Installation.microbatch_rows``) and each
 transfer takes ``get_tensor_shapes(seq_length=T_k, micro_batch_size=1)``. Both ends know every
 T_k before the step: each stage planned the same step from the same documents. Where stock
@@ -99,7 +99,7 @@ def make_executor(inst):
                          force_all_reduce=False, **unknown):
         if unknown:
             raise OverlapConfigError("pp.mode", f"runs a schedule that does not take {sorted(unknown)} (a newer "
-                                     "megatron-core?): use `pp.mode` off")
+                                     "megatron-core?): use `pp.mode` megatron")
         inst.calls[f"pp.{inst.config.pp.mode}"] += 1
         run = _Run(inst, schedules, with_model_type, forward_step_func, data_iterator, model, num_microbatches,
                    forward_only, collect_non_loss_data, first_val_step, p2p_communicator, pg_collection)
@@ -129,7 +129,7 @@ class _Run:
         _refuse_unsupported(config, rows_known=inst.microbatch_rows is not None)
         if pg_collection is not None and not hasattr(pg_collection, "tp"):
             raise OverlapConfigError("pp.mode", "runs single-module pipelines; a multi-module process-group "
-                                     "collection needs Megatron's own schedule (`pp.mode` off)")
+                                     "collection needs Megatron's own schedule (`pp.mode` megatron)")
         if p2p_communicator is not None:
             self.pp_group = p2p_communicator.pp_group
         elif pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
@@ -158,7 +158,7 @@ class _Run:
             recv, send = adjust(recv, send)
         if len(recv) != 1 or len(send) != 1:
             raise OverlapConfigError("pp.mode", f"sends one tensor between stages; this model sends {len(send)} "
-                                     "(encoder-decoder or adjusted shapes): use `pp.mode` off")
+                                     "(encoder-decoder or adjusted shapes): use `pp.mode` megatron")
         self.recv_shape, self.send_shape = tuple(recv[0]), tuple(send[0])
         self.rows, self.mb_shapes = None, None
         if rows is not None:
@@ -374,7 +374,7 @@ def _dispatch_param_gather(model) -> bool:
             "still in flight from an earlier step that no forward pre-hook waited for (Megatron DDP's state is not "
             "what the schedule expects: hooks switched off and on outside Megatron-LM's loop?). Re-enable the "
             "hooks with `model.enable_forward_pre_hook()` only after the gathers finished, or drop "
-            "`megatron.overlap_param_gather`, or run Megatron's own schedule (`pp.mode` off)"))
+            "`megatron.overlap_param_gather`, or run Megatron's own schedule (`pp.mode` megatron)"))
     groups[-1].start_param_sync()
     return True
 
@@ -438,14 +438,14 @@ def _refuse_unsupported(config, rows_known: bool = False) -> None:
     if config.variable_seq_lengths and not rows_known:
         raise OverlapConfigError("pp.mode", "sends shapes known before the step between stages (fixed, or under "
                                  "`hdp.enabled` each micro-batch's planned rows); `megatron.variable_seq_lengths` "
-                                 "needs Megatron's own schedule (`pp.mode` off)")
+                                 "needs Megatron's own schedule (`pp.mode` megatron)")
     if config.num_microbatches_with_partial_activation_checkpoints is not None:
         raise OverlapConfigError("pp.mode", "does not run Megatron's partial activation checkpointing "
                                  "(`megatron.num_layers_per_virtual_pipeline_stage` aside, "
                                  "`megatron.num_microbatches_with_partial_activation_checkpoints`): unset it or use "
-                                 "`pp.mode` off")
+                                 "`pp.mode` megatron")
     if getattr(config, "fine_grained_activation_offloading", False):
-        raise OverlapConfigError("pp.mode", "does not run with fine-grained activation offloading; use `pp.mode` off")
+        raise OverlapConfigError("pp.mode", "does not run with fine-grained activation offloading; use `pp.mode` megatron")
 
 
 def _default_collection(run):

@@ -57,7 +57,7 @@ def make_interleaved_executor(inst):
                          force_all_reduce=False, **unknown):
         if unknown:
             raise OverlapConfigError("pp.mode", f"runs a schedule that does not take {sorted(unknown)} (a newer "
-                                     "megatron-core?): use `pp.mode` off")
+                                     "megatron-core?): use `pp.mode` megatron")
         if not isinstance(model, list) or not isinstance(data_iterator, list) or len(model) != len(data_iterator):
             raise OverlapConfigError("pp.mode", "runs virtual pipelines over Megatron's list of model chunks, one data "
                                      "iterator per chunk (as Megatron's interleaved schedule asserts)")

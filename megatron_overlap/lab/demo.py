@@ -30,9 +30,10 @@ class DemoConfig:
     bandwidth_GBps: float = 0.0  # 0: calibrate (TP transfer time = comm_ratio x GEMM time)
     comm_ratio: float = 1.25  # transfers = 1.25 x the GEMMs: stock then waits ~40% of its step (BENCHMARKS.md)
     latency_us: float = 20.0
-    chunks: int = 4  # 2 pieces of 256 rows per rank: bit-identical on every BLAS seen here (README, Numerics)
+    chunks: int = 4  # 2 pieces of 256 rows per rank: stock's bits on every BLAS seen (docs/tp-overlap.md)
     rs: str = "ring"
     bidirectional: bool = False
+    sub_batches: object = "auto"  # --overlap-tp-sub-batches of ours: a count, or auto (lab/demo_plan.py picks)
     seed: int = 1234
     trace_dir: str = ""  # --trace: Chrome traces of the last step (both modes), per rank
     cp: int = 1
@@ -45,13 +46,22 @@ class DemoConfig:
         return TinyGPT(num_layers=self.layers, hidden=self.hidden, ffn=self.ffn, heads=self.heads,
                        kv_heads=self.kv_heads, vocab=self.vocab, seq=self.seq, micro_batch=self.micro_batch)
 
-    def overlap_flags(self) -> list[str]:
-        if self.cp > 1 and self.tp == 1:
+    def overlap_flags(self, sub_batches=None) -> list[str]:
+        """Ours: ``--overlap-tp p2p`` with the demo's decomposition, cut into ``sub_batches`` (the
+        config's count by default; None: stock)."""
+        n = self.sub_batches if sub_batches is None else sub_batches
+        if (self.cp > 1 and self.tp == 1) or n == "stock":
             flags = []
         else:
             flags = ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(self.chunks), "--overlap-tp-rs", self.rs]
             flags += ["--overlap-tp-bidirectional"] if self.bidirectional else []
+            flags += ["--overlap-tp-sub-batches", str(n)] if n not in (1, "auto") else []
         return flags + self.cp_flags(self.overlap_cp)
+
+    @property
+    def planned(self) -> bool:
+        """Whether ours is the cost model's pick (``lab/demo_plan.py``): TP overlap, sub-batches auto."""
+        return self.sub_batches == "auto" and self.tp > 1 and self.cp == 1
 
     def cp_flags(self, mode: str) -> list[str]:
         if self.cp <= 1:
@@ -78,7 +88,8 @@ class DemoRanks:
         logging.getLogger("megatron_overlap").setLevel(logging.ERROR)
         self.cfg = cfg
         self.spec = cfg.model()
-        self.overlap_args = megatron_overlap.overlap_parser().parse_args(cfg.overlap_flags())
+        self.choice = {"sub_batches": cfg.sub_batches, "why": "as asked"}
+        self.overlap_args = megatron_overlap.overlap_parser().parse_args(cfg.overlap_flags(1 if cfg.planned else None))
         self.baseline_args = megatron_overlap.overlap_parser().parse_args(cfg.baseline_flags())
         tiny_gpt.init_parallel(cfg.tp, seed=cfg.seed, cp=cfg.cp)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -88,10 +99,18 @@ class DemoRanks:
         self._hook_layer(self.models["baseline"], "baseline")
         self._hook_layer(self.models["overlap"], "overlap")
 
-        spec = LinkSpec(bandwidth_GBps=cfg.bandwidth_GBps or 1e6, latency_us=cfg.latency_us)
-        if not cfg.bandwidth_GBps:
-            spec = self._calibrate(spec)
+        spec, calibration = self._calibrate(LinkSpec(bandwidth_GBps=1e6, latency_us=cfg.latency_us))
+        if cfg.bandwidth_GBps:
+            spec = LinkSpec(bandwidth_GBps=cfg.bandwidth_GBps, latency_us=cfg.latency_us)
         del self.models["calibration"]
+        if cfg.planned:  # every rank computes the same pick from the same all-reduced measurements
+            from . import demo_plan
+
+            self.choice = demo_plan.pick(cfg, demo_plan.Calibration(
+                bandwidth_GBps=spec.bandwidth_GBps, latency_us=spec.latency_us, **calibration))
+            n = self.choice["sub_batches"]
+            flags = cfg.overlap_flags("stock" if n is None else n)
+            self.overlap_args = megatron_overlap.overlap_parser().parse_args(flags)
         self.link = EmulatedLink(spec).install()
 
     def _build(self, mode):
@@ -157,7 +176,8 @@ class DemoRanks:
     def _calibrate(self, free_spec):
         """Count the bytes of one step on a free link and time its GEMMs (the linears, around
         which the TP communication sits); the link is set so those bytes take ``comm_ratio`` x
-        that GEMM time. Every rank gets the same link."""
+        that GEMM time. Every rank gets the same link. Also returns the step's GEMM and compute
+        milliseconds (slowest rank), what ``demo_plan`` fits the cost model to."""
         from .emulated_link import EmulatedLink, LinkSpec
         from . import tiny_gpt
 
@@ -168,16 +188,19 @@ class DemoRanks:
             tiny_gpt.train_step(self.models["calibration"], self.spec, 0, lr=self.cfg.lr)  # warm
             probe.reset()
             dist.barrier()
+            c0 = time.thread_time()
             with _timed_matmuls() as gemm, _timed_attention_blocks() as attention:
                 tiny_gpt.train_step(self.models["calibration"], self.spec, 1, lr=self.cfg.lr)
+            compute_s = time.thread_time() - c0
             nbytes = probe.reset().total_bytes
         megatron_overlap.uninstall()
         # TP transfers hide behind the GEMMs, ring transfers behind the attention blocks
         seconds = (gemm.seconds if self.cfg.tp > 1 else 0.0) + (attention.seconds if self.cfg.cp > 1 else 0.0)
-        volume = torch.tensor([float(nbytes), seconds])
+        volume = torch.tensor([float(nbytes), seconds, gemm.seconds, compute_s], dtype=torch.float64)
         dist.all_reduce(volume, op=dist.ReduceOp.MAX)
         bandwidth = volume[0].item() / (volume[1].item() * self.cfg.comm_ratio) / 1e9
-        return LinkSpec(bandwidth_GBps=bandwidth, latency_us=self.cfg.latency_us)
+        return (LinkSpec(bandwidth_GBps=bandwidth, latency_us=self.cfg.latency_us),
+                {"gemm_ms": 1e3 * volume[2].item(), "compute_ms": 1e3 * volume[3].item()})
 
     def step(self, index: int, record: bool) -> dict:
         import megatron_overlap
@@ -214,7 +237,7 @@ class DemoRanks:
         return out
 
     def describe(self) -> dict:
-        return self.link.spec.as_dict()
+        return {**self.link.spec.as_dict(), "choice": self.choice}
 
     def close(self):
         self.link.uninstall()

@@ -1,5 +1,5 @@
-"""The rank side of ``megatron-overlap demo --hdp`` (driver: ``cli/demo_hdp.py``): per rank, one
-tiny GPT with ``--hdp`` installed (and, at TP > 1, TP overlap: each HDP rank is a TP group), its
+"""The rank side of ``megatron-overlap demo --overlap-hdp`` (driver: ``cli/demo_hdp.py``): per rank, one
+tiny GPT with ``--overlap-hdp`` installed (and, at TP > 1, TP overlap: each HDP rank is a TP group), its
 share of a mixed-length batch, and the static and HDP layouts of the same batch run through the
 HDP runtime."""
 
@@ -27,7 +27,8 @@ class HdpDemoRanks:
 
         init_parallel(tp, seed=seed)
         megatron_overlap.uninstall()
-        flags = ["--hdp", "--hdp-max-tokens-per-rank", str(capacity)] + (["--overlap-tp", "p2p"] if tp > 1 else [])
+        flags = ["--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", str(capacity)]
+        flags += ["--overlap-tp", "p2p"] if tp > 1 else []
         self.installation = megatron_overlap.install(megatron_overlap.overlap_parser().parse_args(flags))
         spec = TinyGPT(num_layers=layers, hidden=hidden, ffn=ffn, heads=8, kv_heads=2, vocab=512, seq=max(lengths) + tp)
         self.model = build(spec, tp=tp, sequence_parallel=tp > 1)

@@ -65,7 +65,7 @@ class VirtualPipelineTrainer:
             # Megatron-LM's P2P settings with a virtual pipeline: overlapped, not batched (batched, at PP=2 the
             # previous and the next stage are one rank and its batch pairs an activation with a gradient).
             # Not Megatron-LM's deallocate_pipeline_outputs: on gloo, Megatron's interleaved schedule then frees
-            # an output its isend may still be reading, and its own losses move (README, virtual pipelines)
+            # an output its isend may still be reading, and its own losses move (docs/pipelines.md, virtual pipelines)
             chunks = [build_chunk(setup.spec, setup.tp, setup.pp, v, c, gradient_accumulation_fusion=True,
                                   overlap_p2p_comm=True, batch_p2p_comm=False) for c in range(v)]
         gather = distributed_optimizer and overlap_grad_reduce

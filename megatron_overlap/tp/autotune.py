@@ -1,4 +1,4 @@
-"""Measured (``--overlap-autotune``) and loaded (``--overlap-plan FILE``) decompositions of the
+"""Measured (``--overlap-tp-autotune``) and loaded (``--overlap-tp-plan-file FILE``) decompositions of the
 overlapped linears; ``plan.TPPlanner`` asks here before it falls back to the built-in rule.
 
 A choice is (chunks per rank, tapered or uniform, reduce-scatter algorithm). The autotuner

@@ -9,7 +9,7 @@ The planner owns every rule that picks one:
 
 - the built-in chunk rule (:func:`chunks_per_rank`), tapered when it chooses, uniform when the
   user set ``--overlap-tp-chunks``;
-- ``--overlap-autotune`` / ``--overlap-plan`` (:class:`.autotune.PlanTuner`), once per shape;
+- ``--overlap-tp-autotune`` / ``--overlap-tp-plan-file`` (:class:`.autotune.PlanTuner`), once per shape;
 - ``--overlap-tp auto``, which is resolved before the planner exists (:func:`resolve_backend`),
   so the planner only ever sees a concrete backend.
 """
@@ -59,7 +59,7 @@ def resolve_backend(tp) -> str:
     else ``p2p``; any other mode is itself. ``auto`` honours an explicit decomposition
     (``--overlap-tp-chunks`` / ``-rs`` / ``-bidirectional``): it then only chooses among backends
     that take it, i.e. ``p2p``. ``fused`` is never picked automatically while the measured
-    figures say it is slower than stock (README)."""
+    figures say it is slower than stock (docs/tp-overlap.md)."""
     if tp.mode != "auto":
         return tp.mode
     from .backends import symm_mem
@@ -80,7 +80,7 @@ def tokens_per_row(x: torch.Tensor) -> int:
 class TPPlanner:
     """The plans of one installation (module docstring). ``tp``: the config's TP section with a
     concrete mode; ``backend``: the backend object the plans run on; ``tuner``: a
-    :class:`.autotune.PlanTuner` for ``--overlap-autotune`` / ``--overlap-plan``, or None."""
+    :class:`.autotune.PlanTuner` for ``--overlap-tp-autotune`` / ``--overlap-tp-plan-file``, or None."""
 
     def __init__(self, tp, backend, tuner=None):
         if tp.mode == "auto":
