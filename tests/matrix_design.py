@@ -32,7 +32,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Tuple
 
-from .pretrain_gpt_runs import NO_DROPOUT, TP2
+from .pretrain_gpt_runs import NO_DROPOUT, TP2, packed
 
 ITERATIONS, SAVE_AT = 6, 3
 
@@ -73,6 +73,7 @@ class Feature:
     rel: Dict[str, float] = field(default_factory=lambda: {"fp32": 0.0, "bf16": 0.0})
     why: str = ""
     calls: Tuple[str, ...] = ()  # patched calls that must have run (the plugin took over)
+    data: str = "mock"  # or "packed": documents of mixed lengths (tests/pretrain_gpt_runs.py)
 
 
 _PP = ("--pipeline-model-parallel-size", "2", "--global-batch-size", "8")
@@ -95,6 +96,10 @@ FEATURES: Tuple[Feature, ...] = (
             rel={"fp32": 1e-6, "bf16": 1e-2}, why=_CP_MERGE, calls=("cp.a2a",)),
     Feature("cp-hybrid", 4, ("--context-parallel-size", "4"), ("--overlap-cp", "hybrid", "--overlap-cp-a2a-size", "2"),
             1, (), rel={"fp32": 1e-6, "bf16": 1e-2}, why=_CP_MERGE, calls=("cp.hybrid",)),
+    Feature("hdp", 2, (), ("--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64"), 2, (),
+            rel={"fp32": 1e-6, "bf16": 1e-2}, data="packed",
+            why="the same mean over every token of a step, summed per document and ring instead of per sample row",
+            calls=("hdp.step", "hdp.ring")),
     Feature("pp-1f1b", 4, _PP, ("--overlap-pp", "1f1b"), 4, _PP, calls=("pp.1f1b",)),
     Feature("pp-zb", 4, _PP, ("--overlap-pp", "zb"), 4, _PP, calls=("pp.zb",)),
     Feature("vpp-1f1b", 4, _VPP, ("--overlap-pp", "1f1b"), 4, _VPP, calls=("pp.1f1b.interleaved",)),
@@ -165,6 +170,8 @@ class Row:
 
     def partner_flags(self) -> tuple:
         flags = [*NO_DROPOUT, "--train-iters", str(ITERATIONS)]  # Llama-style: no dropout
+        if self.feature.data == "packed":  # with a validation split (80/20)
+            flags = [*(a if a != "100,0,0" else "80,20,0" for a in packed()), *flags]
         for name in PARTNERS:
             if name in self.partners:
                 flags += PARTNERS[name][0]
