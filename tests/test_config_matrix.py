@@ -75,10 +75,11 @@ def test_feature_with_partner_flags_trains_like_its_reference(row):
     if "ckpt" in row.partners:
         # against stock's own resume: stock megatron-core 0.16.1 without TE/apex does not resume the
         # distributed optimizer exactly here (lab/megatron_lm_cpu.py, _adam_step_in_initial_state)
-        ref_resumed = _resumed("stock", f.ref_ranks, ref_flags, ref_save)
         resumed = _resumed("plugin", f.ranks, ours_flags, save)
         assert resumed["losses"][0] == ours["losses"][SAVE_AT], (resumed["losses"], ours["losses"])  # the weights
-        _close(resumed["losses"], ref_resumed["losses"], rel, f.why, row.id + " resumed")
+        if not f.resume_vs_stock:
+            ref_resumed = _resumed("stock", f.ref_ranks, ref_flags, ref_save)
+            _close(resumed["losses"], ref_resumed["losses"], rel, f.why, row.id + " resumed")
 
 
 def test_the_design_covers_every_pair_of_partner_flags_for_every_feature():
