@@ -81,25 +81,32 @@ _PP = ("--pipeline-model-parallel-size", "2", "--global-batch-size", "8")
 _VPP = ("--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
         "--num-layers-per-virtual-pipeline-stage", "1", "--lab-init-by-layer")
 _CP_MERGE = ("the attention of each query block is merged over the key/value blocks in another order "
-             "(online softmax over ring steps, or heads exchanged): rounding differs from one-rank attention")
+             "(online softmax over ring steps, or heads exchanged): rounding differs from one-rank attention "
+             "(measured at most 7e-5 in bf16, 2026-12-04)")
+_FEWER_RANKS = ("the reference runs on fewer ranks, so its distributed optimizer holds another number of parameters "
+                "per rank, and stock's own resume is inexact here by an error that grows with that number "
+                "(lab/megatron_lm_cpu.py: Adam's loaded step, one tensor shared by every parameter's state, is "
+                "incremented once per parameter)")
 
 FEATURES: Tuple[Feature, ...] = (
     Feature("tp-p2p", 4, TP2, ("--overlap-tp", "p2p"), 4, TP2, calls=("tp.column", "tp.row")),
     Feature("tp-a2a", 4, TP2, ("--overlap-tp", "p2p", "--overlap-tp-rs", "a2a"), 4, TP2,
             calls=("tp.column", "tp.row")),
     Feature("tp-sub-batches", 4, TP2, ("--overlap-tp", "p2p", "--overlap-tp-sub-batches", "2"), 4, TP2,
-            rel={"fp32": 1e-6, "bf16": 1e-2},
-            why="the weight and key/value gradients are summed per sub-batch (a few ulp from one GEMM's sum)",
+            rel={"fp32": 1e-6, "bf16": 1e-4},
+            why="the weight and key/value gradients are summed per sub-batch (a few ulp from one GEMM's sum; "
+                "measured at most 2.3e-5 in bf16, 2026-12-04)",
             calls=("tp.sub_batches",)),
     Feature("cp-ring", 4, ("--context-parallel-size", "2"), ("--overlap-cp", "ring"), 2, (),
-            rel={"fp32": 1e-6, "bf16": 1e-2}, why=_CP_MERGE, calls=("cp.ring",)),
+            rel={"fp32": 1e-6, "bf16": 2e-4}, why=_CP_MERGE, resume_vs_stock=_FEWER_RANKS, calls=("cp.ring",)),
     Feature("cp-a2a", 4, ("--context-parallel-size", "2"), ("--overlap-cp", "a2a"), 2, (),
-            rel={"fp32": 1e-6, "bf16": 1e-2}, why=_CP_MERGE, calls=("cp.a2a",)),
+            rel={"fp32": 1e-6, "bf16": 2e-4}, why=_CP_MERGE, resume_vs_stock=_FEWER_RANKS, calls=("cp.a2a",)),
     Feature("cp-hybrid", 4, ("--context-parallel-size", "4"), ("--overlap-cp", "hybrid", "--overlap-cp-a2a-size", "2"),
-            1, (), rel={"fp32": 1e-6, "bf16": 1e-2}, why=_CP_MERGE, calls=("cp.hybrid",)),
+            1, (), rel={"fp32": 1e-6, "bf16": 2e-4}, why=_CP_MERGE, resume_vs_stock=_FEWER_RANKS, calls=("cp.hybrid",)),
     Feature("hdp", 2, (), ("--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64"), 2, (),
-            rel={"fp32": 1e-6, "bf16": 1e-2}, data="packed",
-            why="the same mean over every token of a step, summed per document and ring instead of per sample row",
+            rel={"fp32": 1e-6, "bf16": 1e-4}, data="packed",
+            why="the same mean over every token of a step, summed per document and ring instead of per sample row "
+                "(measured at most 1.5e-5 in bf16, 2026-12-04)",
             calls=("hdp.step", "hdp.ring")),
     Feature("pp-1f1b", 4, _PP, ("--overlap-pp", "1f1b"), 4, _PP, calls=("pp.1f1b",)),
     Feature("pp-zb", 4, _PP, ("--overlap-pp", "zb"), 4, _PP, calls=("pp.zb",)),
@@ -107,8 +114,8 @@ FEATURES: Tuple[Feature, ...] = (
     Feature("vpp-zb", 4, _VPP, ("--overlap-pp", "zb"), 4, _VPP, calls=("pp.zb.interleaved",)),
     Feature("vpp-zbv", 4, _VPP, ("--overlap-pp", "zbv"), 4, _VPP, rel={"fp32": 5e-5, "bf16": 5e-5},
             why="--clip-grad: the gradient norm is summed per stage and then over stages, and the V holds other "
-                "layers on each stage, so the clip factor differs in its last bits (measured 6e-6; bit-identical "
-                "without clipping, test_pretrain_gpt.py)",
+                "layers on each stage, so the clip factor differs in its last bits (measured at most 1.4e-5; "
+                "bit-identical without clipping, test_pretrain_gpt.py)",
             resume_vs_stock="stock's own resume is inexact here (lab/megatron_lm_cpu.py) by an error that grows with "
                             "the number of parameters each rank holds (Adam's loaded step, one tensor shared by every "
                             "parameter's state, is incremented once per parameter), and the V puts other layers on "
