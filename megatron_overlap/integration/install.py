@@ -15,6 +15,7 @@
 | ``transformer.mlp.MLP.forward``, ``transformer.attention.Attention.forward``, ``DotProductAttention.forward`` (``--overlap-tp-sub-batches`` > 1) | ``sub_batches.py`` (the blocks cut into row parts) | Megatron's layers take a sub-batch schedule |
 | ``pipeline_parallel.get_forward_backward_func`` (also in ``pipeline_parallel.schedules`` and ``megatron.training.training``, which bind it by name) | ``schedules.py`` (``--overlap-pp`` -> ``pp``) | Megatron takes a pluggable pipeline schedule |
 | ``distributed.DistributedDataParallel.__init__``, ``distributed.param_and_grad_buffer._ParamAndGradBuffer.__init__`` (``--overlap-pp`` 1f1b / zb / zbv with virtual pipelines) | ``ddp.py`` (DDP buckets on every stage and model chunk) | Megatron's DDP buckets every stage and chunk of an interleaved pipeline |
+| ``transformer.transformer_layer.get_transformer_layer_offset``, ``parallel_state.is_pipeline_last_stage``, ``pipeline_parallel.utils.is_pp_last_stage`` (wherever bound by name), ``megatron.training.training.train_step`` and ``evaluate`` (``--overlap-pp zbv``) | ``vplacement.py`` (the V's layer offsets and last stage; stage 0's losses sent to the last rank) | Megatron builds a V placement and logs from the stage that computed the loss |
 
 The linears' function is also patched, without TP overlap, under ``--overlap-pp zb`` at TP = 1 (weight
 gradients deferred to W). ``ColumnParallelLinear._forward_impl`` looks the module-level function up at call time, so
