@@ -110,6 +110,8 @@ class Installation:
         self.microbatch_rows = None
         self.attention_block = None  # the Attention whose core attention is being cut (sub_batches.py)
         self.projected = None  # (context rows, projection, bias) between a cut core attention and linear_proj
+        self.fusion = None  # allreduce_fusion.Request while a fused attention block runs (--overlap-tp-allreduce-fusion)
+        self.served: dict = {}  # id(norm output) -> (it, fc1 weight, fc1 GEMM output) computed while it was gathered
         self.checked: set = set()
         self.sites: dict = {}  # (id(weight), shape) -> "layer 3 linear_fc1 (column, ...)": wait messages (sites.py)
         self._noticed: set = set()
