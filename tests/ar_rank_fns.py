@@ -93,7 +93,10 @@ def gpt_no_sp(tp: int, steps: int, flags: list, **overrides) -> dict:
 
 def gpt_no_sp_vs_stock(tp: int, steps: int, variants: list, **overrides) -> list:
     """``gpt_no_sp`` of stock and of each variant: per variant the losses' and gradients' worst
-    relative difference from stock, whether all are bit-identical, and the calls."""
+    relative difference from stock, whether all are bit-identical, and the calls. A variant with
+    ``symm-mem`` runs its composition with stock collectives (``_use_reference_symm_mem``)."""
+    if any("symm-mem" in flags for flags in variants):
+        _use_reference_symm_mem()
     stock = gpt_no_sp(tp, steps, [], **overrides)
     out = []
     for flags in variants:
@@ -147,4 +150,106 @@ def mlp_link_no_sp(tp: int) -> dict:
         out[mode] = dict(bytes=stats.total_bytes, by_op=dict(stats.bytes_by_op), calls=dict(stats.calls_by_op),
                          blocked_s=stats.blocked_s, step_s=step, transfer_s=stats.total_bytes / (spec.bandwidth_GBps * 1e9))
     _install([])
+    return out
+
+
+def fusion_op_vs_reference(seed: int, p: float = 0.1) -> list:
+    """``RowAllReduceBDA`` (reduce-scatter, bias + dropout + residual on the shard, all-gather)
+    against stock's ops: ``residual + F.dropout(AR(x @ w^T) + bias)``, forward and backward
+    (``autograd`` through the stock ops), from the same generator state; and that state after
+    both (the fused op draws what stock draws). Every rank of the group must hold the same
+    residual and gradient (replicated, as without SP)."""
+    import torch.nn.functional as F
+
+    from megatron_overlap.comm.rings import split_pieces
+    from megatron_overlap.tp.allreduce_fusion import RowAllReduceBDA
+    from megatron_overlap.tp.backends.p2p import P2PBackend
+    from megatron_overlap.tp.linear import TPComm, WgradOptions
+    from megatron_overlap.tp.plan import TPPlan
+
+    out = []
+    for size in (2, 4):
+        group = _tp_group(size)
+        lead = dist.get_process_group_ranks(group)[0]
+        shared = torch.Generator().manual_seed(seed + lead)  # replicated tensors: the same on the group
+        mine = torch.Generator().manual_seed(seed * 31 + dist.get_rank())
+        s, b, k, n = 7, 3, 20, 24  # 7 rows per rank: odd
+        x = torch.randn(s * size, b, k, generator=mine)
+        w = torch.randn(n, k, generator=mine)
+        bias, residual = torch.randn(n, generator=shared), torch.randn(s * size, b, n, generator=shared)
+        dy = torch.randn(s * size, b, n, generator=shared)
+        for chunks in (1, 3):
+            comm = TPComm(group, TPPlan(pieces=split_pieces(s, chunks)), P2PBackend())
+            leaves = [t.clone().requires_grad_() for t in (x, w, bias, residual)]
+            torch.manual_seed(seed)
+            ref = leaves[3] + F.dropout(_ReduceRef.apply(leaves[0], leaves[1], group) + leaves[2], p=p, training=True)
+            ref.backward(dy)
+            after_ref = torch.rand(1).item()
+            ours_leaves = [t.clone().requires_grad_() for t in (x, w, bias, residual)]
+            torch.manual_seed(seed)
+            ours = RowAllReduceBDA.apply(*ours_leaves, p, True, WgradOptions(), comm, None)
+            ours.backward(dy)
+            after_ours = torch.rand(1).item()
+            row = dict(size=size, chunks=chunks, rng_same=after_ref == after_ours, out_rel=_rel(ours, ref),
+                       out_equal=torch.equal(ours, ref))
+            for name, a, c in zip(("x", "w", "bias", "residual"), ours_leaves, leaves):
+                row[f"{name}_rel"], row[f"{name}_equal"] = _rel(a.grad, c.grad), torch.equal(a.grad, c.grad)
+            out.append(row)
+    return out
+
+
+class _ReduceRef(torch.autograd.Function):
+    """Stock's Row linear without SP: GEMM then the all-reduce; backward the identity's."""
+
+    @staticmethod
+    def forward(ctx, x, w, group):
+        from megatron_overlap.tp.gemm_ar import gemm_ar_reference
+
+        ctx.save_for_backward(x, w)
+        return gemm_ar_reference(x, w, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        return grad.matmul(w), g2.t().matmul(x2), None
+
+
+def fusion_reasons(tp: int) -> dict:
+    """Why a layer of the tiny GPT (no SP) runs its attention block unfused, for each setting the
+    fusion cannot honour (set on the built modules one at a time), and how each ran."""
+    from megatron_overlap.integration.allreduce_fusion import stock_reason
+    from megatron_overlap.integration.install import find_installation
+    from megatron_overlap.lab import tiny_gpt
+
+    tiny_gpt.init_parallel(tp)
+    layer = tiny_gpt.build(tiny_gpt.TinyGPT(), tp, sequence_parallel=False, hidden_dropout=0.1).decoder.layers[0]
+    out = {}
+    _install(["--overlap-tp", "p2p", "--overlap-tp-allreduce-fusion"])
+    try:
+        inst = find_installation()
+        out["plain"] = stock_reason(inst, layer)
+        layer.config.bias_dropout_fusion = True
+        out["compiled_bda"] = stock_reason(inst, layer)
+        layer.eval()
+        out["compiled_bda_eval"] = stock_reason(inst, layer)
+        layer.train()
+        layer.config.bias_dropout_fusion = False
+        layer.recompute_pre_mlp_layernorm = True
+        out["recompute_norm"] = stock_reason(inst, layer)
+        layer.recompute_pre_mlp_layernorm = False
+    finally:
+        _install([])
+    _install(["--overlap-tp", "p2p", "--overlap-tp-allreduce-fusion", "--overlap-tp-sub-batches", "2"])
+    try:
+        out["sub_batches"] = stock_reason(find_installation(), layer)
+    finally:
+        _install([])
+    tiny_gpt.init_parallel(tp)
+    sp_layer = tiny_gpt.build(tiny_gpt.TinyGPT(), tp).decoder.layers[0]
+    _install(["--overlap-tp", "p2p"])
+    try:
+        out["sequence_parallel"] = stock_reason(find_installation(), sp_layer)
+    finally:
+        _install([])
     return out

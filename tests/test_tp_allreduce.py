@@ -1,13 +1,15 @@
 """Tensor parallelism without sequence parallelism (issue 35): the all-reduces of Megatron's
-Column/Row linears overlapped (``tp/linear_ar.py``), sub-batches without SP, what the path
-refuses, and the emulated link counting and delaying stock's all-reduces as well as ours.
+Column/Row linears overlapped (``tp/linear_ar.py``), sub-batches without SP, the all-reduce
+fusion (``tp/allreduce_fusion.py``) and the numerics it states, what the path refuses, and the
+emulated link counting and delaying stock's all-reduces as well as ours.
 
 Tolerances. At TP=2 an all-reduce is a + b on both sides: every result here equals stock's bit
 for bit (``==``) unless the block is cut into sub-batches, whose weight and key/value
 gradients are summed per part (rounding of an fp32 sum in another order, ~1e-7 relative; the
 forward and the losses keep stock's bits). At TP=4 the all-reduce of a row piece sums each
 element in the order gloo's ring gives that piece, which differs from the order of the whole
-tensor's all-reduce in the last bits: relative 1e-6 bounds it (measured ~5e-8)."""
+tensor's all-reduce in the last bits, and the fusion's ring reduce-scatter sums partials in ring
+order: relative 1e-6 bounds both (measured ~5e-8 per op, ~4e-7 on the tiny GPT's gradients)."""
 
 import random
 
@@ -104,3 +106,46 @@ def test_tp1_without_sp_says_it_does_nothing(caplog):
     said = [r.getMessage() for r in caplog.records]
     assert any("--overlap-tp p2p has nothing to overlap with tensor-parallel size 1; running stock Megatron" in m
                for m in said), said
+
+
+def test_fusion_op_keeps_stocks_numerics(pool4):
+    """The fused op against stock's own ops (one GEMM, the all-reduce, ``+ bias``, ``F.dropout``,
+    ``residual +``; autograd through them) from the same generator state, which is what the
+    fusion states it keeps: the generator left where stock leaves it (the mask drawn whole, in
+    one draw) and every rank applying stock's mask to its rows; stock's backward (every gradient
+    stock's bits at TP 2 and 4: it sums nothing); the output stock's bits at TP=2, and within
+    rounding at TP=4 (the ring reduce-scatter's summation order)."""
+    seed = random.randrange(1 << 20)
+    for rows in pool4.run(ar_rank_fns.fusion_op_vs_reference, seed):
+        for r in rows:
+            assert r["rng_same"], (seed, r)
+            assert all(r[f"{name}_equal"] for name in ("x", "w", "bias", "residual")), (seed, r)
+            assert r["out_equal"] if r["size"] == 2 else r["out_rel"] <= ROUNDING, (seed, r)
+
+
+def test_fusion_trains_like_stock(pool4):
+    """The tiny GPT without SP, hidden and attention dropout 0.1, biases on: with the fusion
+    (p2p, and symm-mem's composition on stock collectives) losses and gradients are stock's bits
+    at TP=2 (RMSNorm, whose composite backward sums three contributions: the norm runs as stock's
+    graph); at TP=4 (LayerNorm) within rounding. Every attention block of every step was fused
+    and its fc1 GEMM computed while the gather landed."""
+    fused = [["--overlap-tp", "p2p", "--overlap-tp-allreduce-fusion"],
+             ["--overlap-tp", "symm-mem", "--overlap-tp-allreduce-fusion"]]
+    for tp, norm, variants in ((2, "RMSNorm", fused), (4, "LayerNorm", fused[:1])):
+        for rank in pool4.run(ar_rank_fns.gpt_no_sp_vs_stock, tp, 3, variants, hidden_dropout=0.1,
+                              attention_dropout=0.1, add_bias_linear=True, normalization=norm):
+            for r in rank:
+                assert r["calls"]["tp.fusion"] == r["calls"]["tp.fusion.served"] == 3 * 2, r["calls"]
+                if tp == 2:
+                    assert r["equal"], r
+                assert r["loss_rel"] <= ROUNDING and r["grad_rel"] <= ROUNDING, r
+
+
+def test_fusion_runs_unfused_where_it_cannot(pool4):
+    for r in pool4.run(ar_rank_fns.fusion_reasons, 2):
+        assert r["plain"] is None, r
+        assert "compiled bias-dropout-add draws its dropout masks" in r["compiled_bda"], r
+        assert r["compiled_bda_eval"] is None, r  # no dropout outside training: nothing to draw
+        assert r["recompute_norm"] == "recompute or offloading of its norms", r
+        assert r["sub_batches"] == "its attention runs cut into sub-batches (`tp.sub_batches`)", r
+        assert r["sequence_parallel"] == "sequence parallelism reduce-scatters already", r

@@ -1,5 +1,5 @@
-"""MLP block (Column fc1 -> GeLU -> Row fc2, SP) forward+backward: stock Megatron vs the plugin,
-on the same emulated link, in one run.
+"""MLP block (Column fc1 -> GeLU -> Row fc2, SP; or all-reduces with ``--no-sequence-parallel``)
+forward+backward: stock Megatron vs the plugin, on the same emulated link, in one run.
 
 Each rank runs with one intra-op thread, as many ranks as cores, so a rank that sleeps on an
 emulated transfer never lends its core to another. The link is calibrated so that a step's
@@ -23,7 +23,8 @@ from dataclasses import asdict
 from ..lab.mlp_bench import MLPBench
 
 
-LABELS = {"stock": "stock Megatron", "overlap": "megatron-overlap", "sub": "+ sub-batches"}
+LABELS = {"stock": "stock Megatron", "overlap": "megatron-overlap", "sub": "+ sub-batches",
+          "fusion": "+ all-reduce fusion"}
 TITLES = {"mlp": "MLP block (fc1 -> GeLU -> fc2)",
           "layer": "transformer layer (norm, QKV, causal attention, proj, norm, fc1, GeLU, fc2)"}
 
@@ -46,11 +47,11 @@ def run(cfg: MLPBench, progress: bool = True, timeline_png: str = "") -> dict:
         closing = ranks.close()
     result = summarize(cfg, rounds, closing)
     if timeline_png:
-        result["timeline_png"] = draw_timeline(rounds[-1], timeline_png, TITLES[cfg.block])
+        result["timeline_png"] = draw_timeline(rounds[-1], timeline_png, TITLES[cfg.block], cfg.sequence_parallel)
     return result
 
 
-def draw_timeline(per_rank: list, path: str, title: str = "") -> str:
+def draw_timeline(per_rank: list, path: str, title: str = "", sequence_parallel: bool = True) -> str:
     """Both modes of one round, the whole step, per rank: compute, blocked, link."""
     from ..trace import timeline
 
@@ -67,7 +68,8 @@ def draw_timeline(per_rank: list, path: str, title: str = "") -> str:
             rows.append((f"rank {rank} blocked", "blocked", timeline.clip(trace["blocked"], start, end)))
             rows.append((f"rank {rank} link", "link", timeline.clip(trace["link"], start, end)))
         panels.append(timeline.Panel(f"{label}: fwd+bwd", width, rows))
-    return timeline.draw(panels, path, title=f"{title or TITLES['mlp']}, TP + SP, emulated link", columns=1)
+    sp = "TP + SP" if sequence_parallel else "TP without SP (all-reduces)"
+    return timeline.draw(panels, path, title=f"{title or TITLES['mlp']}, {sp}, emulated link", columns=1)
 
 
 def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
@@ -148,6 +150,14 @@ def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
                 max(r[base]["wall_s"] for r in per_rank) / max(r["sub"]["wall_s"] for r in per_rank)
                 for per_rank in rounds)
         result["sub_max_rel_diff_vs_stock"] = max(c["parity_by_mode"]["sub"] for c in closing)
+    if "fusion" in cfg.modes:
+        result["fusion_vs_limit"] = per_round("fusion", "strict")
+        result["fusion_vs_program_limit"] = per_round("fusion", "program")
+        for base in ("stock", "overlap"):
+            result[f"fusion_speedup_vs_{base}"] = statistics.median(
+                max(r[base]["wall_s"] for r in per_rank) / max(r["fusion"]["wall_s"] for r in per_rank)
+                for per_rank in rounds)
+        result["fusion_max_rel_diff_vs_stock"] = max(c["parity_by_mode"]["fusion"] for c in closing)
     return result
 
 
@@ -207,7 +217,8 @@ def format_table(result: dict) -> str:
     link, cfg = result["link"], result["config"]
     lines = [
         f"{TITLES[cfg.get('block', 'mlp')]} fwd+bwd, hidden {cfg['hidden']}, ffn {cfg['ffn']}, seq {cfg['seq']}, "
-        f"TP={cfg['tp']} + SP, fp32, 1 thread/rank, {cfg['steps']} rounds (medians)",
+        f"TP={cfg['tp']} {'+ SP' if cfg.get('sequence_parallel', True) else 'without SP (all-reduces)'}, fp32, "
+        f"1 thread/rank, {cfg['steps']} rounds (medians)",
         f"link: {link['bandwidth_GBps']:.4f} GB/s egress per rank, {link['latency_us']:.0f} us/message "
         f"(transfers = {cfg['comm_ratio']:g} x compute)",
         f"compute only {result['compute_ms']:.1f} ms | transfer {result['stock']['comm_ms']:.1f} ms | "
@@ -241,6 +252,12 @@ def format_table(result: dict) -> str:
             f"{result['sub_speedup_vs_overlap']:.2f}x over per-op overlap, {result['sub_speedup_vs_stock']:.2f}x over "
             f"stock; max rel. diff of grads vs stock {result['sub_max_rel_diff_vs_stock']:.1e} (weight gradients "
             "summed per sub-batch)")
+    if "fusion" in result:
+        lines.append(
+            f"all-reduce fusion: {result['fusion_vs_limit']:.2f}x the limit "
+            f"({result['fusion_vs_program_limit']:.2f}x against stock's free-link step), "
+            f"{result['fusion_speedup_vs_overlap']:.2f}x over per-op overlap, {result['fusion_speedup_vs_stock']:.2f}x "
+            f"over stock; max rel. diff of grads vs stock {result['fusion_max_rel_diff_vs_stock']:.1e}")
     if "phases" in result:
         lines += format_phases(result)
     if result.get("timeline_png"):

@@ -112,6 +112,7 @@ class Installation:
         self.projected = None  # (context rows, projection, bias) between a cut core attention and linear_proj
         self.fusion = None  # allreduce_fusion.Request while a fused attention block runs (--overlap-tp-allreduce-fusion)
         self.served: dict = {}  # id(norm output) -> (it, fc1 weight, fc1 GEMM output) computed while it was gathered
+        self.served_norm = None  # the fused block whose pre-MLP norm was computed ahead (allreduce_fusion.py)
         self.checked: set = set()
         self.sites: dict = {}  # (id(weight), shape) -> "layer 3 linear_fc1 (column, ...)": wait messages (sites.py)
         self._noticed: set = set()

@@ -127,21 +127,25 @@ def patch(inst) -> None:
         from . import sub_batches
 
         sub_batches.patch(inst)
+    if inst.config.tp.allreduce_fusion:
+        from . import allreduce_fusion
+
+        allreduce_fusion.patch(inst)
     inst.notice_once("tp-on", f"TP overlap on ({inst.tp.backend.name}): {' '.join(inst.config.as_flags())}")
 
 
-def _comm(inst, kind: str, group, x, weight, shard_rows: int, sub=None) -> TPComm:
+def _comm(inst, kind: str, group, x, weight, shard_rows: int, sub=None, sequence_parallel=None) -> TPComm:
     """The TP plan and backend of one linear; the first time a shape, dtype and device are
     seen, the model settings and the backend are checked (a programmatic install learns them
     only now). The all-reduce kinds (``column_ar``, ``row_ar``: no sequence parallelism) pass
     the whole sequence's rows as ``shard_rows``."""
     size = group.size()
-    sp = kind not in AR_KINDS
+    sp = kind not in AR_KINDS if sequence_parallel is None else sequence_parallel  # the fusion: RS plan, no SP
     key = (id(group), size, shard_rows, tokens_per_row(x), x.dtype, x.device, sp)
     if key not in inst.checked:
         inst.tp.backend.check(x)
         check_tp_model(inst.config.tp, ModelContext(tp_size=size, sequence_parallel=sp,
-                                                    seq_length=shard_rows * size if sp else shard_rows))
+                                                    seq_length=shard_rows * size if kind not in AR_KINDS else shard_rows))
         inst.checked.add(key)
     return TPComm(group, inst.tp.plan(kind, x, weight, group, shard_rows), inst.tp.backend, inst.prefetch, inst.wgrad,
                   sub)

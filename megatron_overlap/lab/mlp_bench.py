@@ -1,6 +1,7 @@
 """The rank side of ``megatron-overlap bench mlp`` (driver: ``cli/bench_mlp.py``): Megatron's MLP
-block (Column fc1 -> GeLU -> Row fc2, SP), the compute replay that is the limit's compute, and
-one round (replay, stock and plugin on a free link, both on the emulated link) per call."""
+block (Column fc1 -> GeLU -> Row fc2, SP or, with ``sequence_parallel=False``, all-reduces), the
+compute replay that is the limit's compute, and one round (replay, stock and plugin on a free
+link, both on the emulated link) per call."""
 
 from __future__ import annotations
 
@@ -31,10 +32,18 @@ class MLPBench:
     block: str = "mlp"  # or "layer": a whole transformer layer (lab/layer_bench.py)
     heads: int = 8
     seed: int = 0
+    sequence_parallel: bool = True  # False: TP with all-reduces (the plugin's all-reduce path)
+    allreduce_fusion: bool = False  # without SP: also per-op overlap with --overlap-tp-allreduce-fusion
 
     @property
     def modes(self) -> tuple:
-        return ("stock", "overlap") + (("sub",) if self.sub_batches > 1 else ())
+        return ("stock", "overlap") + (("sub",) if self.sub_batches > 1 else ()) + (
+            ("fusion",) if self.allreduce_fusion else ())
+
+    @property
+    def rows(self) -> int:
+        """Sequence rows each rank's block takes: its shard with SP, else the whole sequence."""
+        return self.seq // self.tp if self.sequence_parallel else self.seq
 
 
 def _build(cfg: MLPBench):
@@ -52,7 +61,7 @@ def _build(cfg: MLPBench):
         ffn_hidden_size=cfg.ffn,
         num_attention_heads=8,
         tensor_model_parallel_size=cfg.tp,
-        sequence_parallel=True,
+        sequence_parallel=cfg.sequence_parallel,
         use_cpu_initialization=True,
         add_bias_linear=True,
         gated_linear_unit=False,
@@ -102,16 +111,21 @@ class MLPBenchRanks:
         from . import layer_bench
 
         self.mlp = _build(cfg) if cfg.block == "mlp" else layer_bench.build_layer(cfg)
-        torch.manual_seed(cfg.seed + 10 + dist.get_rank())
-        self.x = torch.randn(cfg.seq // cfg.tp, cfg.micro_batch, cfg.hidden, requires_grad=True)
-        self.dy = torch.randn(cfg.seq // cfg.tp, cfg.micro_batch, cfg.hidden)
+        # with SP each rank holds its own rows; without it the block's input (and its gradient) is
+        # replicated over the TP group, as Megatron's layers assume
+        torch.manual_seed(cfg.seed + 10 + (dist.get_rank() if cfg.sequence_parallel else 0))
+        self.x = torch.randn(cfg.rows, cfg.micro_batch, cfg.hidden, requires_grad=True)
+        self.dy = torch.randn(cfg.rows, cfg.micro_batch, cfg.hidden)
         self.replay = _ComputeReplay(self.mlp, cfg) if cfg.block == "mlp" else layer_bench.LayerReplay(self.mlp, cfg)
         self.mask = layer_bench.causal_mask(cfg.seq)
-        flags = ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(cfg.chunks), "--overlap-tp-rs", cfg.rs]
+        flags = ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(cfg.chunks)]
+        if cfg.sequence_parallel:  # without SP there is no reduce-scatter to choose (but the fusion's)
+            flags += ["--overlap-tp-rs", cfg.rs]
         if cfg.bidirectional:
             flags.append("--overlap-tp-bidirectional")
         parse = megatron_overlap.overlap_parser().parse_args
-        self.args = {"overlap": parse(flags), "sub": parse(flags + ["--overlap-tp-sub-batches", str(cfg.sub_batches)])}
+        self.args = {"overlap": parse(flags), "sub": parse(flags + ["--overlap-tp-sub-batches", str(cfg.sub_batches)]),
+                     "fusion": parse(flags + ["--overlap-tp-rs", cfg.rs, "--overlap-tp-allreduce-fusion"])}
 
         # Bytes per step, counted on a free link; compute from a few replays. Same link for all.
         with EmulatedLink(LinkSpec(bandwidth_GBps=1e6, latency_us=0.0)) as probe:
