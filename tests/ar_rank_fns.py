@@ -253,3 +253,32 @@ def fusion_reasons(tp: int) -> dict:
     finally:
         _install([])
     return out
+
+
+def traced_waits_no_sp(tp: int) -> dict:
+    """One fwd+bwd of Megatron's MLP without SP under ``torch.profiler`` with the plugin: the
+    all-reduce path's waits are the plugin's marked waits (what ``--overlap-trace`` and
+    ``megatron-overlap report`` count as exposed communication), one per all-reduced piece."""
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from torch.profiler import profile
+
+    from megatron_overlap.integration.install import find_installation
+    from megatron_overlap.lab import tiny_gpt
+    from megatron_overlap.trace.tracer import WAIT
+
+    tiny_gpt.init_parallel(tp)
+    config = tiny_gpt.transformer_config(tiny_gpt.TinyGPT(), tp, sequence_parallel=False, add_bias_linear=True,
+                                         gated_linear_unit=False, activation_func=F.gelu)
+    mlp = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    x = torch.randn(32, 2, 96, requires_grad=True)
+    _install(["--overlap-tp", "p2p", "--overlap-tp-chunks", str(2 * tp)])
+    try:
+        with profile() as prof:
+            y, bias = mlp(x)
+            (y + bias).sum().backward()
+        plans = list(find_installation().tp.plans().values())
+    finally:
+        _install([])
+    return {"waits": sum(1 for e in prof.events() if e.name == WAIT), "pieces": sum(len(p.pieces) for p in plans)}

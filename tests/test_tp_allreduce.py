@@ -149,3 +149,68 @@ def test_fusion_runs_unfused_where_it_cannot(pool4):
         assert r["recompute_norm"] == "recompute or offloading of its norms", r
         assert r["sub_batches"] == "its attention runs cut into sub-batches (`tp.sub_batches`)", r
         assert r["sequence_parallel"] == "sequence parallelism reduce-scatters already", r
+
+
+def test_traces_mark_the_all_reduce_waits(pool4):
+    for r in pool4.run(ar_rank_fns.traced_waits_no_sp, 2):
+        assert r["pieces"] == 2 * 4 and r["waits"] == r["pieces"], r  # fc2's forward and fc1's dgrad, 4 pieces each
+
+
+# --------------------------------------------------------------------------- cost model, planner
+def _plan(tp, hardware="a100-pcie", **run):
+    from megatron_overlap.tune.hardware import get_hardware
+    from megatron_overlap.tune.models import RunSpec, get_model
+    from megatron_overlap.tune.planner import make_plan
+
+    return make_plan(get_model("llama3-8b"), RunSpec(tp=tp, sequence_parallel=False, **run), get_hardware(hardware))
+
+
+def test_plan_prices_stock_all_reduces_and_ours():
+    """Without SP the planner prices stock's all-reduces (the Row forward's blocking, the Column
+    backward's beside its wgrad: exposed > 0) against the all-reduce path, its sub-batches and the
+    fusion, recommends the fastest, and prints flags that run without SP."""
+    from megatron_overlap import OverlapConfig, overlap_parser
+    from megatron_overlap.config import ModelContext
+    from megatron_overlap.tp.checks import check_tp_model
+
+    plan = _plan(4)  # PCIe A100s: the link is slow, so overlap pays
+    assert plan.stock.exposed_comm_ms > 0.1 * plan.stock.step_ms, plan.stock
+    names = {r.name for r in plan.ranked}
+    assert {"megatron", "p2p auto/rank", "p2p auto/rank x2 sub-batches", "p2p auto/rank ring + AR fusion",
+            "symm-mem", "symm-mem + AR fusion"} <= names, names
+    assert [r.reason for r in plan.not_applicable] == ["without SP its GEMM-reduce-scatter hides nothing (refused)"]
+    assert plan.best.strategy.name != "megatron" and plan.best.exposed_comm_ms < plan.stock.exposed_comm_ms
+    assert plan.best.step_ms == min(r.step_ms for r in plan.ranked)
+    for r in plan.ranked:
+        flags = r.flags.split()
+        # no reduce-scatter to pick but the fusion's (symm-mem's is its own)
+        assert ("--overlap-tp-rs" in flags) == (r.strategy.allreduce_fusion and r.strategy.name == "p2p"), r.flags
+        if r.strategy.name != "megatron":
+            config = OverlapConfig.from_args(overlap_parser().parse_args(flags))
+            check_tp_model(config.tp, ModelContext(tp_size=4, sequence_parallel=False, seq_length=8192))
+    fusion = next(r for r in plan.ranked if r.name == "p2p auto/rank ring + AR fusion")
+    per_op = next(r for r in plan.ranked if r.name == "p2p auto/rank")
+    assert fusion.layer_fwd_ms < per_op.layer_fwd_ms and fusion.layer_bwd_ms == per_op.layer_bwd_ms  # forward only
+
+
+def test_plan_recommends_stock_where_overlap_cannot_pay():
+    """A decode step's all-reduces carry one token: stock wins; the strategies that need a
+    reduce-scatter say why they cannot run."""
+    plan = _plan(4, phase="decode")
+    assert plan.best.strategy.name == "megatron"
+    reasons = " ".join(r.reason for r in plan.not_applicable)
+    assert "do not split over TP=4 (its reduce-scatter needs it)" in reasons, reasons
+
+
+def test_plan_cli_without_sequence_parallel(capsys):
+    import json
+
+    from megatron_overlap.cli.plan import main
+
+    assert main(["--model", "llama3-8b", "--tp", "4", "--hardware", "a100-pcie", "--no-sequence-parallel",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["sequence_parallel"] is False and out["best"] != "megatron", out["best"]
+    assert main(["--model", "llama3-8b", "--tp", "4", "--hardware", "a100-pcie", "--no-sequence-parallel"]) == 0
+    table = capsys.readouterr().out
+    assert "TP=4 without SP" in table and "--overlap-tp-allreduce-fusion" in table, table

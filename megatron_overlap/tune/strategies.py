@@ -26,6 +26,16 @@
 ``flux`` (the published Flux design, for the published-vs-predicted table only; no flag selects
     it): tiles wait on chunk arrivals by copy engine (AG) or push their partial tiles to the
     owner from the epilogue (RS): max(GEMM, transfer + fill) on both sides.
+
+Without sequence parallelism (``RunSpec.sequence_parallel`` False; ``tp/linear_ar.py``):
+``megatron`` runs the Row forward's GEMM then a blocking all-reduce, and the Column backward's
+dgrad GEMM then an async all-reduce beside its wgrad; ``p2p`` cuts both GEMMs into row pieces of
+the whole sequence (the plugin's chunk rule times R, tapered) and all-reduces each piece as it is
+done (the Column's wgrad after its last piece); ``symm-mem`` runs its fused reduce-scatter, then
+an all-gather (the Column's beside its wgrad); ``fused`` does not run there. ``allreduce_fusion``
+(p2p, symm-mem): the attention projection's all-reduce as the backend's reduce-scatter, the
+residual add on T / R tokens, and a ring all-gather whose pieces feed the pre-MLP norm and fc1's
+GEMM (``simulate.simulate_ops``); its backward is stock's.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ class Strategy:
     fused_fill_chunks: int = 4
     fused_slowdown: Optional[float] = None  # None: measured for fused, 0 for flux (the paper's kernels)
     sub_batches: int = 1  # p2p / symm-mem: attention and MLP blocks cut into this many row parts (simulate.py)
+    allreduce_fusion: bool = False  # p2p / symm-mem without SP: --overlap-tp-allreduce-fusion
 
     def __post_init__(self):
         if self.name not in STRATEGIES:
@@ -59,6 +70,8 @@ class Strategy:
             raise ValueError(f"invalid p2p options: chunks {self.chunks}, rs {self.rs!r}")
         if self.sub_batches < 1 or (self.sub_batches > 1 and self.name not in ("p2p", "symm-mem")):
             raise ValueError(f"sub-batches {self.sub_batches} with {self.name}: p2p and symm-mem only")
+        if self.allreduce_fusion and (self.name not in ("p2p", "symm-mem") or self.sub_batches > 1):
+            raise ValueError(f"the all-reduce fusion with {self.name} x{self.sub_batches}: p2p and symm-mem, whole blocks")
 
     @property
     def slowdown(self) -> float:
@@ -67,25 +80,32 @@ class Strategy:
             return self.fused_slowdown
         return fused_slowdown() if self.name == "fused" else 0.0
 
-    def label(self) -> str:
+    def label(self, sequence_parallel: bool = True) -> str:
         cut = f" x{self.sub_batches} sub-batches" if self.sub_batches > 1 else ""
+        cut += " + AR fusion" if self.allreduce_fusion else ""
         if self.name != "p2p":
             return self.name + cut
-        return f"p2p {'auto' if self.chunks == 0 else self.chunks}/rank {self.rs}{cut}"
+        rs = f" {self.rs}" if sequence_parallel or self.allreduce_fusion else ""  # without SP: no RS but the fusion's
+        return f"p2p {'auto' if self.chunks == 0 else self.chunks}/rank{rs}{cut}"
 
-    def flags(self, tp: int) -> str:
+    def flags(self, tp: int, sequence_parallel: bool = True) -> str:
         """The megatron-overlap flags that select this plan (chunks counted over the TP group),
-        as the config layer spells them."""
+        as the config layer spells them (without SP, no ``--overlap-tp-rs`` but the fusion's)."""
         from ..config import OverlapConfig, TPConfig
 
         if self.name == "flux":
             return "(Flux itself: no megatron-overlap flag)"
         if self.name == "p2p":
-            return " ".join(OverlapConfig(tp=TPConfig(mode="p2p", chunks=self.chunks * tp, rs=self.rs,
-                                                      sub_batches=self.sub_batches)).as_flags())
+            flags = OverlapConfig(tp=TPConfig(mode="p2p", chunks=self.chunks * tp, rs=self.rs,
+                                              sub_batches=self.sub_batches,
+                                              allreduce_fusion=self.allreduce_fusion)).as_flags()
+            if not sequence_parallel and not self.allreduce_fusion:
+                i = flags.index("--overlap-tp-rs")
+                flags = flags[:i] + flags[i + 2:]
+            return " ".join(flags)
         mode = "off" if self.name == "megatron" else self.name
-        return " ".join(OverlapConfig(tp=TPConfig(mode=mode, sub_batches=self.sub_batches)).as_flags()[:4 if
-                                                                                                   self.sub_batches > 1 else 2])
+        return " ".join(OverlapConfig(tp=TPConfig(mode=mode, sub_batches=self.sub_batches,
+                                                  allreduce_fusion=self.allreduce_fusion)).as_flags())
 
 
 def default_chunks_per_rank(rows_per_rank: int, batch: int = 1) -> int:
@@ -139,6 +159,13 @@ class Ctx:
         s = self.strategy
         chunks = s.chunks or default_chunks_per_rank(self.rows, self.batch)
         return [r * self.batch for r in piece_rows(self.rows, chunks, taper=s.chunks == 0)]
+
+    def ar_pieces(self) -> list[int]:
+        """Token counts of the row pieces of the whole sequence the all-reduce path cuts a GEMM
+        into (``tp.plan.TPPlanner._make_ar``: R times the chunks per rank, at most one per row)."""
+        s, rows = self.strategy, self.rows * self.tp
+        chunks = min(rows, (s.chunks or default_chunks_per_rank(self.rows, self.batch)) * self.tp)
+        return [r * self.batch for r in piece_rows(rows, chunks, taper=s.chunks == 0)]
 
 
 # ------------------------------------------------------------------ shared building blocks
@@ -203,6 +230,33 @@ def _copies_reduce(g, ctx, name, ready, n_out, partial_of):
     own = g.compute(f"{name} own", partial_of(s), ready, contended=True)
     reduce_ms = elementwise_ms((ctx.tp + 1) * s * n_out * ctx.d, ctx.hw)
     return g.compute(f"{name} reduce", reduce_ms, [own, *copies])
+
+
+def _chunked_all_reduce(g: Graph, ctx: Ctx, name, ready, n_out, gemm_of, after=None):
+    """p2p without SP: a GEMM per row piece of the whole sequence, each piece all-reduced by the
+    backend's collective as soon as it is computed; ``after(last GEMM)``: work beside the last
+    transfers (the Column's wgrad). Returns the task that has waited for every piece; with
+    ``ctx.deferred`` (a sub-batch) the wait is appended there and the last compute returned."""
+    last, transfers = None, []
+    for t in ctx.ar_pieces():
+        last = g.compute(f"{name} piece", gemm_of(t), [last] if last is not None else ready, contended=True)
+        transfers.append(g.transfer(f"{name} AR", all_reduce_cost(t * n_out * ctx.d, ctx.tp, ctx.link), [last],
+                                    sm_comm=ctx.sm))
+    if after is not None:
+        last = after(last)
+    if ctx.deferred is not None:
+        ctx.deferred.append((f"{name} AR wait", 0.0, [last, *transfers]))
+        return last
+    return g.compute(f"{name} wait", 0.0, [last, *transfers])
+
+
+def _reduce_then_gather(g: Graph, ctx: Ctx, name, ready, n_out, partial_of, after=None):
+    """symm-mem without SP: its fused reduce-scatter, then an all-gather of the shard (``after``:
+    work beside that all-gather)."""
+    rs = _copies_reduce(g, ctx, name, ready, n_out, partial_of)
+    ag = g.transfer(f"{name} AG", all_gather_cost(ctx.tokens * n_out * ctx.d, ctx.tp, ctx.link), [rs], sm_comm=ctx.sm)
+    beside = [after(rs)] if after is not None else []
+    return g.compute(f"{name} wait", 0.0, [ag, *beside])
 
 
 def _fill(ctx, gemm_of) -> float:
@@ -279,6 +333,10 @@ def linear_fwd(g: Graph, ctx: Ctx, op: Linear, ready: list) -> list:
     gemm_of = lambda m: ctx.gemm(m, op.n, op.k / R)  # noqa: E731
     if R == 1:
         return [g.compute(name, gemm_of(T), ready)]
+    if not ctx.sequence_parallel and s.name == "p2p":
+        return [_chunked_all_reduce(g, ctx, name, ready, op.n, gemm_of)]
+    if not ctx.sequence_parallel and s.name == "symm-mem":
+        return [_reduce_then_gather(g, ctx, name, ready, op.n, gemm_of)]
     if s.name == "megatron" or not ctx.sequence_parallel:
         y = g.compute(name, gemm_of(T), ready, contended=True)
         if ctx.sequence_parallel:
@@ -322,6 +380,11 @@ def linear_bwd(g: Graph, ctx: Ctx, op: Linear, ready: list, prefetch=None, next_
 
     dgrad_of = lambda m: ctx.gemm(m, op.k, op.n / R)  # noqa: E731
     wgrad_ms = ctx.gemm(op.n / R, op.k, T)
+    if R > 1 and not ctx.sequence_parallel and s.name in ("p2p", "symm-mem"):
+        wgrad = lambda last: g.compute(f"{name} wgrad", wgrad_ms, [last], contended=True)  # noqa: E731
+        if s.name == "p2p":
+            return [_chunked_all_reduce(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, after=wgrad)], None
+        return [_reduce_then_gather(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, after=wgrad)], None
     if R == 1 or not ctx.sequence_parallel:
         dx = g.compute(f"{name} dgrad", dgrad_of(T), ready)
         if R > 1:  # input replicated: the dgrad is all-reduced (async, beside the wgrad)
