@@ -282,3 +282,38 @@ def traced_waits_no_sp(tp: int) -> dict:
     finally:
         _install([])
     return {"waits": sum(1 for e in prof.events() if e.name == WAIT), "pieces": sum(len(p.pieces) for p in plans)}
+
+
+def autotuned_no_sp(tp: int, cache_dir: str) -> dict:
+    """``--overlap-autotune`` without SP: the all-reduce path's piece counts measured per shape on
+    the real group (cache keys of kind ``column_ar`` / ``row_ar``), results still stock's."""
+    import glob
+    import json
+    import os
+
+    from megatron_overlap.integration.install import find_installation
+    from megatron_overlap.lab import tiny_gpt
+
+    os.environ["MEGATRON_OVERLAP_CACHE"] = f"{cache_dir}/rank{dist.get_rank()}"
+    try:
+        tiny_gpt.init_parallel(tp)
+        layers = _no_sp_layers(tp)
+        gen = torch.Generator().manual_seed(3)  # replicated inputs: the same on every rank
+        worst, kinds = 0.0, set()
+        for name in ("fc1(column,swiglu)", "fc2(row)"):
+            layer, column = layers[name], "column" in name
+            x = torch.randn(24, 3, layer.input_size if column else layer.input_size_per_partition, generator=gen)
+            dy = torch.randn(24, 3, layer.output_size_per_partition if column else layer.output_size, generator=gen)
+            _install([])
+            stock = _run_layer(layer, x, dy, False)
+            _install(["--overlap-tp", "p2p", "--overlap-autotune"])
+            ours = _run_layer(layer, x, dy, False)
+            kinds |= {key[0] for key in find_installation().tp.plans()}
+            worst = max(worst, max(_rel(ours[k], stock[k]) for k in stock))
+        _install([])
+        entries = []
+        for path in glob.glob(f"{cache_dir}/rank{dist.get_rank()}/tp_plans.json"):
+            entries = sorted(k.split("|")[0] for k in json.load(open(path)))
+        return {"worst": worst, "kinds": sorted(kinds), "entries": entries}
+    finally:
+        os.environ.pop("MEGATRON_OVERLAP_CACHE", None)

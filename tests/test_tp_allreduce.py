@@ -214,3 +214,40 @@ def test_plan_cli_without_sequence_parallel(capsys):
     assert main(["--model", "llama3-8b", "--tp", "4", "--hardware", "a100-pcie", "--no-sequence-parallel"]) == 0
     table = capsys.readouterr().out
     assert "TP=4 without SP" in table and "--overlap-tp-allreduce-fusion" in table, table
+
+
+def test_autotune_measures_the_all_reduce_path(pool4, tmp_path):
+    for r in pool4.run(ar_rank_fns.autotuned_no_sp, 2, str(tmp_path)):
+        assert r["kinds"] == ["column_ar", "row_ar"] and r["entries"] == ["column_ar", "row_ar"], r
+        assert r["worst"] == 0.0, r  # TP=2: whatever the pieces, stock's bits
+
+
+def test_bench_layer_without_sp_smoke():
+    """``bench layer --no-sequence-parallel`` with sub-batches and the fusion in the same rounds:
+    stock's bytes in every mode (all of them all-reduces, the fusion's RS + AG included), the
+    gradients stock's (the fusion's bit for bit), the bound without SP reported."""
+    import json
+
+    from .test_cli import cli
+
+    out = cli("bench", "layer", "--hidden", "64", "--ffn", "128", "--heads", "4", "--seq", "64", "--steps", "1",
+              "--warmup", "1", "--sub-batches", "2", "--no-sequence-parallel", "--allreduce-fusion", "--no-progress",
+              "--json", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len({result[m]["bytes_per_step"] for m in ("stock", "overlap", "sub", "fusion")}) == 1
+    assert result["max_rel_diff_vs_stock"] <= ROUNDING and result["sub_max_rel_diff_vs_stock"] <= ROUNDING
+    assert result["fusion_max_rel_diff_vs_stock"] == 0.0
+    ph = result["phases"]
+    assert ph["forward_link_bound_ms"] > ph["transfer_forward_ms"] and ph["step_bound_ms"] >= result["phase_limit_ms"]
+    assert "TP=2 without SP (all-reduces)" in out.stdout and "all-reduce fusion:" in out.stdout
+
+
+def test_bench_refuses_what_sp_off_cannot_run():
+    from .test_cli import cli
+
+    out = cli("bench", "mlp", "--allreduce-fusion", "--no-progress")
+    assert out.returncode != 0 and "--allreduce-fusion splits the all-reduces of TP without sequence parallelism; " \
+        "add --no-sequence-parallel" in out.stderr, out.stderr
+    out = cli("bench", "mlp", "--no-sequence-parallel", "--overlap-tp-bidirectional", "--no-progress")
+    assert out.returncode != 0 and "--overlap-tp-bidirectional splits ring transfers" in out.stderr, out.stderr

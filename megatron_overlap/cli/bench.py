@@ -36,6 +36,11 @@ def add_mlp_args(parser: argparse.ArgumentParser, layer: bool = False):
                         help="with --no-sequence-parallel: also per-op overlap with --overlap-tp-allreduce-fusion "
                         "(the attention output's all-reduce, bias, dropout and residual as reduce-scatter, work on "
                         "the shard, all-gather feeding the next norm and GEMM), in the same rounds")
+    parser.add_argument("--gradient-accumulation-fusion", dest="grad_accum_fusion", action="store_true",
+                        help="Megatron's gradient_accumulation_fusion (its default where apex exists), for stock and "
+                        "plugin alike: weight gradients accumulated into main_grad, which lets the plugin run a "
+                        "weight-gradient GEMM while a later transfer travels (CPU: apex's kernel replaced by a "
+                        "matmul and an add)")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--timeline", default="", metavar="PNG", help="draw the last round's timeline here")

@@ -177,6 +177,12 @@ def phases(cfg: MLPBench, rounds: list) -> dict:
         t * (1 - share) for t in transfer)
     out["forward_bound_ms"] = max(out["compute_forward_ms"], out["transfer_forward_ms"])
     out["backward_bound_ms"] = max(out["compute_backward_ms"], out["transfer_backward_ms"])
+    if cfg.block == "layer" and not cfg.sequence_parallel:
+        # without SP a layer's first forward transfer is the projection's all-reduce: none can leave
+        # before the norm and the QKV GEMM (the replay's, timed) have run, whatever the schedule
+        out["compute_pre_attention_ms"] = med(max(r.get("compute_pre_attention_s", 0.0) for r in pr) for pr in rounds)
+        out["forward_link_bound_ms"] = out["transfer_forward_ms"] + out["compute_pre_attention_ms"]
+        out["step_bound_ms"] = max(out["forward_bound_ms"], out["forward_link_bound_ms"]) + out["backward_bound_ms"]
     for mode in cfg.modes:
         parts = cfg.sub_batches if mode == "sub" else 1
         out[mode] = {
@@ -206,6 +212,10 @@ def format_phases(result: dict) -> list:
                      + (f"{r['forward_sync_bound_ms']:>9.1f}" if layer else "")
                      + f"{r['backward_ms']:>10.1f}{r['backward_blocked_ms']:>9.1f}"
                      f"{r['backward_ms'] - r['backward_blocked_ms']:>10.1f}")
+    if "forward_link_bound_ms" in ph:
+        lines.append(f"without SP no forward transfer leaves before the norm and the QKV GEMM ({ph['compute_pre_attention_ms']:.1f} "
+                     f"ms in the replay): forward >= {ph['forward_link_bound_ms']:.1f} ms, step >= "
+                     f"{ph['step_bound_ms']:.1f} ms (= {ph['step_bound_ms'] / result['limit_ms']:.2f}x the limit) for any schedule")
     lines.append("(sync bd: the forward's bound with attention's synchronisation, forward transfer + the first query "
                  "part's attention; unblocked: backward time not waiting on the link, against the replay's backward "
                  "compute)" if layer else "(unblocked: backward time not waiting on the link, against the replay's "

@@ -143,6 +143,12 @@ def _comm(inst, kind: str, group, x, weight, shard_rows: int, sub=None, sequence
     sp = kind not in AR_KINDS if sequence_parallel is None else sequence_parallel  # the fusion: RS plan, no SP
     key = (id(group), size, shard_rows, tokens_per_row(x), x.dtype, x.device, sp)
     if key not in inst.checked:
+        if not sp and inst.wgrad is not None:
+            # the all-reduce path: a layer's last dgrad all-reduce (QKV's) has only its own GEMMs and
+            # the held weight gradients to hide behind, so up to one layer's may wait (3 linears per
+            # sub-batch and QKV's), each keeping its two inputs until it runs (measured, BENCHMARKS.md)
+            parts = inst.config.tp.sub_batches if isinstance(inst.config.tp.sub_batches, int) else 1
+            inst.wgrad.limit = max(inst.wgrad.limit, 3 * parts + 1)
         inst.tp.backend.check(x)
         check_tp_model(inst.config.tp, ModelContext(tp_size=size, sequence_parallel=sp,
                                                     seq_length=shard_rows * size if kind not in AR_KINDS else shard_rows))

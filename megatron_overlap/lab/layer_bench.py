@@ -28,7 +28,7 @@ def build_layer(cfg):
         use_cpu_initialization=True,
         add_bias_linear=True, gated_linear_unit=False, activation_func=F.gelu, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
-        persist_layer_norm=False, normalization="LayerNorm",
+        persist_layer_norm=False, normalization="LayerNorm", gradient_accumulation_fusion=cfg.grad_accum_fusion,
     )
     spec = get_gpt_layer_local_spec(normalization="LayerNorm")
     spec.submodules.input_layernorm = tiny_gpt._SPNorm  # SP norms without apex (the lab's shim)
@@ -55,7 +55,8 @@ class LayerReplay:
         self.x = torch.randn(cfg.seq, cfg.micro_batch, cfg.hidden, requires_grad=True)
         self.dy = torch.randn(cfg.seq, cfg.micro_batch, cfg.hidden)
         self.mask = causal_mask(cfg.seq)
-        self.forward_s = self.attention_s = 0.0  # of the last call: its forward, its core attention's forward
+        self.forward_s = self.attention_s = self.pre_attention_s = 0.0  # of the last call: its forward, its core
+        # attention's forward, its norm and QKV GEMM
 
     def _attention(self, qkv):
         s, b = qkv.shape[:2]
@@ -75,6 +76,7 @@ class LayerReplay:
         norms = F.layer_norm(self.x[:rows], (h,)).sum()  # the norms run on this rank's rows (its shard with SP)
         qkv = torch.matmul(self.x, p["qkv"].t()) + p["qkv_b"]
         t1 = time.perf_counter()
+        self.pre_attention_s = t1 - t0  # what precedes the first transfer of a layer without SP
         context = self._attention(qkv)
         self.attention_s = time.perf_counter() - t1
         mid = self.x + torch.matmul(context, p["proj"].t())

@@ -34,6 +34,9 @@ class MLPBench:
     seed: int = 0
     sequence_parallel: bool = True  # False: TP with all-reduces (the plugin's all-reduce path)
     allreduce_fusion: bool = False  # without SP: also per-op overlap with --overlap-tp-allreduce-fusion
+    # Megatron's gradient_accumulation_fusion (its default where apex exists): weight gradients
+    # accumulated into main_grad, which lets the plugin hold a wgrad GEMM back while a transfer travels
+    grad_accum_fusion: bool = False
 
     @property
     def modes(self) -> tuple:
@@ -67,6 +70,7 @@ def _build(cfg: MLPBench):
         gated_linear_unit=False,
         activation_func=F.gelu,
         bias_activation_fusion=False,
+        gradient_accumulation_fusion=cfg.grad_accum_fusion,
     )
     return MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
 
@@ -150,6 +154,10 @@ class MLPBenchRanks:
     def _step(self, after_forward=None):
         self.mlp.zero_grad(set_to_none=True)
         self.x.grad = None
+        if self.cfg.grad_accum_fusion:  # as Megatron's DDP hands them to the linears: fp32, zeroed each step
+            for p in self.mlp.parameters():
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+                p.grad_added_to_main_grad = False
         if self.cfg.block == "mlp":
             out, bias = self.mlp(self.x)
             y = out + bias
@@ -170,6 +178,7 @@ class MLPBenchRanks:
             self.spec = self.link.spec = self._spec(self.warm_compute)
         record = {"compute_s": self.replay(), "compute_forward_s": self.replay.forward_s,
                   "compute_attention_s": getattr(self.replay, "attention_s", 0.0),
+                  "compute_pre_attention_s": getattr(self.replay, "pre_attention_s", 0.0),
                   "forward_bytes_share": self.forward_bytes / self.nbytes}
         if index < self.cfg.warmup:
             self.warm_compute.append(record["compute_s"])
@@ -192,8 +201,9 @@ class MLPBenchRanks:
             stats = self.link.reset()
             megatron_overlap.uninstall()
             if index == 0 and mode in modes:
-                self.grads[mode] = [self.x.grad.clone()] + [p.grad.clone() for p in self.mlp.parameters()
-                                                             if p.grad is not None]
+                self.grads[mode] = [self.x.grad.clone()] + [
+                    (p.main_grad if getattr(p, "grad_added_to_main_grad", False) else p.grad).clone()
+                    for p in self.mlp.parameters() if p.grad is not None]
             record[mode] = {"wall_s": t1 - t0, "forward_s": marks[0][0] - t0, "forward_blocked_s": marks[0][1],
                             "blocked_s": stats.blocked_s,
                             "busy_s": stats.busy_s, "bytes": stats.total_bytes}
