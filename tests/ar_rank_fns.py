@@ -317,3 +317,20 @@ def autotuned_no_sp(tp: int, cache_dir: str) -> dict:
         return {"worst": worst, "kinds": sorted(kinds), "entries": entries}
     finally:
         os.environ.pop("MEGATRON_OVERLAP_CACHE", None)
+
+
+def symm_mem_odd_rows_error(tp: int) -> str:
+    """symm-mem without SP on 27 rows (its all-reduce is a reduce-scatter: they must split)."""
+    from megatron_overlap.lab import tiny_gpt
+
+    _use_reference_symm_mem()
+    tiny_gpt.init_parallel(tp)
+    layer = _no_sp_layers(tp)["fc2(row)"]
+    _install(["--overlap-tp", "symm-mem"])
+    try:
+        layer(torch.randn(27, 3, layer.input_size_per_partition))
+    except Exception as exc:  # the message is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        _install([])
+    return "no error"

@@ -92,6 +92,12 @@ def test_fused_and_bidirectional_refused_without_sp_at_first_run(pool4):
         assert message.startswith("OverlapConfigError: --overlap-tp-rs: picks the reduce-scatter"), message
 
 
+def test_symm_mem_refuses_rows_that_do_not_split(pool4):
+    for message in pool4.run(ar_rank_fns.symm_mem_odd_rows_error, 2):
+        assert message.startswith("OverlapConfigError: --overlap-tp: symm-mem: its all-reduce is a reduce-scatter "
+                                  "and an all-gather, and the 27 sequence rows do not split over the 2"), message
+
+
 def test_tp1_without_sp_says_it_does_nothing(caplog):
     """TP = 1 without SP: nothing to overlap; install says so and runs stock Megatron."""
     import logging
