@@ -285,7 +285,7 @@ def traced_waits_no_sp(tp: int) -> dict:
 
 
 def autotuned_no_sp(tp: int, cache_dir: str) -> dict:
-    """``--overlap-autotune`` without SP: the all-reduce path's piece counts measured per shape on
+    """``--overlap-tp-autotune`` without SP: the all-reduce path's piece counts measured per shape on
     the real group (cache keys of kind ``column_ar`` / ``row_ar``), results still stock's."""
     import glob
     import json
@@ -306,7 +306,7 @@ def autotuned_no_sp(tp: int, cache_dir: str) -> dict:
             dy = torch.randn(24, 3, layer.output_size_per_partition if column else layer.output_size, generator=gen)
             _install([])
             stock = _run_layer(layer, x, dy, False)
-            _install(["--overlap-tp", "p2p", "--overlap-autotune"])
+            _install(["--overlap-tp", "p2p", "--overlap-tp-autotune"])
             ours = _run_layer(layer, x, dy, False)
             kinds |= {key[0] for key in find_installation().tp.plans()}
             worst = max(worst, max(_rel(ours[k], stock[k]) for k in stock))

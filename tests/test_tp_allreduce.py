@@ -237,7 +237,8 @@ def test_bench_layer_without_sp_smoke():
     from .test_cli import cli
 
     out = cli("bench", "layer", "--hidden", "64", "--ffn", "128", "--heads", "4", "--seq", "64", "--steps", "1",
-              "--warmup", "1", "--sub-batches", "2", "--no-sequence-parallel", "--allreduce-fusion", "--no-progress",
+              "--warmup", "1", "--overlap-tp-sub-batches", "2", "--no-sequence-parallel", "--overlap-tp-allreduce-fusion",
+              "--no-progress",
               "--json", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -252,8 +253,8 @@ def test_bench_layer_without_sp_smoke():
 def test_bench_refuses_what_sp_off_cannot_run():
     from .test_cli import cli
 
-    out = cli("bench", "mlp", "--allreduce-fusion", "--no-progress")
-    assert out.returncode != 0 and "--allreduce-fusion splits the all-reduces of TP without sequence parallelism; " \
+    out = cli("bench", "mlp", "--overlap-tp-allreduce-fusion", "--no-progress")
+    assert out.returncode != 0 and "--overlap-tp-allreduce-fusion splits the all-reduces of TP without sequence parallelism; " \
         "add --no-sequence-parallel" in out.stderr, out.stderr
     out = cli("bench", "mlp", "--no-sequence-parallel", "--overlap-tp-bidirectional", "--no-progress")
     assert out.returncode != 0 and "--overlap-tp-bidirectional splits ring transfers" in out.stderr, out.stderr
