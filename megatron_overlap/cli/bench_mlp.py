@@ -142,22 +142,15 @@ def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
     )
     result["fraction_of_ceiling"] = result["speedup"] / result["ceiling"]
     result["max_rel_diff_vs_stock"] = max(c["parity"] for c in closing)
-    if "sub" in cfg.modes:
-        result["sub_vs_limit"] = per_round("sub", "strict")
-        result["sub_vs_program_limit"] = per_round("sub", "program")
-        for base in ("stock", "overlap"):
-            result[f"sub_speedup_vs_{base}"] = statistics.median(
-                max(r[base]["wall_s"] for r in per_rank) / max(r["sub"]["wall_s"] for r in per_rank)
-                for per_rank in rounds)
-        result["sub_max_rel_diff_vs_stock"] = max(c["parity_by_mode"]["sub"] for c in closing)
-    if "fusion" in cfg.modes:
-        result["fusion_vs_limit"] = per_round("fusion", "strict")
-        result["fusion_vs_program_limit"] = per_round("fusion", "program")
-        for base in ("stock", "overlap"):
-            result[f"fusion_speedup_vs_{base}"] = statistics.median(
-                max(r[base]["wall_s"] for r in per_rank) / max(r["fusion"]["wall_s"] for r in per_rank)
-                for per_rank in rounds)
-        result["fusion_max_rel_diff_vs_stock"] = max(c["parity_by_mode"]["fusion"] for c in closing)
+    for mode in ("sub", "fusion"):  # the modes beside per-op overlap: sub-batches, the all-reduce fusion
+        if mode in cfg.modes:
+            result[f"{mode}_vs_limit"] = per_round(mode, "strict")
+            result[f"{mode}_vs_program_limit"] = per_round(mode, "program")
+            for base in ("stock", "overlap"):
+                result[f"{mode}_speedup_vs_{base}"] = statistics.median(
+                    max(r[base]["wall_s"] for r in per_rank) / max(r[mode]["wall_s"] for r in per_rank)
+                    for per_rank in rounds)
+            result[f"{mode}_max_rel_diff_vs_stock"] = max(c["parity_by_mode"][mode] for c in closing)
     return result
 
 

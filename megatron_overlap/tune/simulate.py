@@ -133,7 +133,8 @@ def _fused_forward(g: Graph, ctx: Ctx, ops: list, ready: list) -> list:
     """The fusion (``tp/allreduce_fusion.py``): the projection's GEMM-RS (the backend's), the
     residual add on this rank's T / R tokens (3/5 of ``residual+norm``'s traffic), then a ring
     all-gather of the sum whose pieces feed the norm (2/5, per piece) and fc1's GEMM."""
-    from .strategies import _copies_reduce, _ring_gather_consume, _ring_reduce_scatter
+    from .strategies import _ring_gather_consume, _ring_reduce_scatter
+    from .transfers import copies_reduce
 
     proj, residual, fc1 = ops
     R, T, d = ctx.tp, ctx.tokens, ctx.d
@@ -141,7 +142,7 @@ def _fused_forward(g: Graph, ctx: Ctx, ops: list, ready: list) -> list:
     if ctx.strategy.name == "p2p":
         h = _ring_reduce_scatter(g, ctx, "proj fwd", ready, proj.n, partial_of, ctx.pieces(), ctx.strategy.rs)
     else:
-        h = _copies_reduce(g, ctx, "proj fwd", ready, proj.n, partial_of)
+        h = copies_reduce(g, ctx, "proj fwd", ready, proj.n, partial_of)
     o = g.compute("bias+dropout+residual (shard)", 0.6 * residual.fwd_ms / R, [h])
     consume = lambda m: 0.4 * residual.fwd_ms * m / T + ctx.gemm(m, fc1.n / R, fc1.k)  # noqa: E731
     last, _ = _ring_gather_consume(g, ctx, "fc1 fwd (fused AG)", [o], proj.n * d, consume, ctx.pieces())

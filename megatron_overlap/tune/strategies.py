@@ -43,11 +43,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .comm import all_gather_cost, all_reduce_cost, p2p_cost, reduce_scatter_cost, transfer_cost
+from .comm import all_gather_cost, all_reduce_cost, p2p_cost, reduce_scatter_cost
 from .engine import Graph
 from .gemm import elementwise_ms, gemm_ms
 from .layer_ops import Attention, Elementwise, Exchange, Linear
 from .measured import fused_slowdown
+from .transfers import (chunked_all_reduce, copies_consume, copies_reduce, fused_gather, fused_reduce,
+                        reduce_then_gather)
 
 STRATEGIES = ("megatron", "p2p", "symm-mem", "fused", "flux")
 
@@ -100,7 +102,9 @@ class Strategy:
                                               sub_batches=self.sub_batches,
                                               allreduce_fusion=self.allreduce_fusion)).as_flags()
             if not sequence_parallel and not self.allreduce_fusion:
-                i = flags.index("--overlap-tp-rs")
+                from ..args import flag_for
+
+                i = flags.index(flag_for("tp.rs"))
                 flags = flags[:i] + flags[i + 2:]
             return " ".join(flags)
         mode = "off" if self.name == "megatron" else self.name
@@ -212,104 +216,6 @@ def _ring_reduce_scatter(g: Graph, ctx: Ctx, name, ready, n_out, partial_of, pie
     return last
 
 
-def _copies_consume(g, ctx, name, ready, shard_bytes, gemm_of):
-    """Async-TP all-gather: R-1 copy-engine copies of whole shards, a GEMM per shard as it lands."""
-    copies = [g.transfer(f"{name} copy", p2p_cost(shard_bytes, ctx.link), ready) for _ in range(ctx.tp - 1)]
-    last = g.compute(f"{name} own", gemm_of(ctx.tokens / ctx.tp), ready, contended=True)
-    for c in copies:
-        last = g.compute(f"{name} shard", gemm_of(ctx.tokens / ctx.tp), [c], contended=True)
-    return last
-
-
-def _copies_reduce(g, ctx, name, ready, n_out, partial_of):
-    """Async-TP reduce-scatter: a partial per peer pushed by copy engine, then a local reduce."""
-    s, copies = ctx.tokens / ctx.tp, []
-    for _ in range(ctx.tp - 1):
-        p = g.compute(f"{name} partial", partial_of(s), ready, contended=True)
-        copies.append(g.transfer(f"{name} copy", p2p_cost(s * n_out * ctx.d, ctx.link), [p]))
-    own = g.compute(f"{name} own", partial_of(s), ready, contended=True)
-    reduce_ms = elementwise_ms((ctx.tp + 1) * s * n_out * ctx.d, ctx.hw)
-    return g.compute(f"{name} reduce", reduce_ms, [own, *copies])
-
-
-def _chunked_all_reduce(g: Graph, ctx: Ctx, name, ready, n_out, gemm_of, after=None):
-    """p2p without SP: a GEMM per row piece of the whole sequence, each piece all-reduced by the
-    backend's collective as soon as it is computed; ``after(last GEMM)``: work beside the last
-    transfers (the Column's wgrad). Returns the task that has waited for every piece; with
-    ``ctx.deferred`` (a sub-batch) the wait is appended there and the last compute returned."""
-    last, transfers = None, []
-    for t in ctx.ar_pieces():
-        last = g.compute(f"{name} piece", gemm_of(t), [last] if last is not None else ready, contended=True)
-        transfers.append(g.transfer(f"{name} AR", all_reduce_cost(t * n_out * ctx.d, ctx.tp, ctx.link), [last],
-                                    sm_comm=ctx.sm))
-    if after is not None:
-        last = after(last)
-    if ctx.deferred is not None:
-        ctx.deferred.append((f"{name} AR wait", 0.0, [last, *transfers]))
-        return last
-    return g.compute(f"{name} wait", 0.0, [last, *transfers])
-
-
-def _reduce_then_gather(g: Graph, ctx: Ctx, name, ready, n_out, partial_of, after=None):
-    """symm-mem without SP: its fused reduce-scatter, then an all-gather of the shard (``after``:
-    work beside that all-gather)."""
-    rs = _copies_reduce(g, ctx, name, ready, n_out, partial_of)
-    ag = g.transfer(f"{name} AG", all_gather_cost(ctx.tokens * n_out * ctx.d, ctx.tp, ctx.link), [rs], sm_comm=ctx.sm)
-    beside = [after(rs)] if after is not None else []
-    return g.compute(f"{name} wait", 0.0, [ag, *beside])
-
-
-def _fill(ctx, gemm_of) -> float:
-    return gemm_of(ctx.tokens / (ctx.tp * ctx.strategy.fused_fill_chunks))
-
-
-def _flux_gather(g, ctx, name, ready, total_bytes, gemm_of):
-    s = ctx.strategy
-    # peers' shards come straight from their owners (no ring): the port pipelines the copies
-    ag = g.transfer(f"{name} AG (CE)", transfer_cost(total_bytes * (ctx.tp - 1) / ctx.tp, ctx.link), ready)
-    whole, fill = gemm_of(ctx.tokens) * (1 + s.slowdown), _fill(ctx, gemm_of)
-    main = g.compute(f"{name} fused", whole - fill, ready)
-    return g.compute(f"{name} fused tail", fill, [main, ag])
-
-
-def _flux_reduce(g, ctx, name, ready, n_out, gemm_of, after=None):
-    s = ctx.strategy
-    whole, fill = gemm_of(ctx.tokens) * (1 + s.slowdown), _fill(ctx, gemm_of)
-    head = g.compute(f"{name} fused", fill, ready)
-    partials = ctx.tokens * n_out * ctx.d * (ctx.tp - 1) / ctx.tp  # tiles pushed straight to their owners
-    rs = g.transfer(f"{name} RS (epilogue)", transfer_cost(partials, ctx.link), [head])
-    main = g.compute(f"{name} fused", whole - fill, [head])
-    beside = [after(main)] if after is not None else []
-    reduce_ms = elementwise_ms((ctx.tp + 1) * ctx.tokens / ctx.tp * n_out * ctx.d, ctx.hw)
-    return g.compute(f"{name} reduce", reduce_ms, [main, rs, *beside])
-
-
-def _fused_gather(g, ctx, name, ready, total_bytes, gemm_of):
-    if ctx.strategy.name == "flux":
-        return _flux_gather(g, ctx, name, ready, total_bytes, gemm_of)
-    s = ctx.strategy
-    # the P2P ring (NCCL, on SMs) fills the gathered buffer; the kernel reads chunks as they land
-    ag = g.transfer(f"{name} AG (ring)", transfer_cost(total_bytes * (ctx.tp - 1) / ctx.tp, ctx.link), ready,
-                    sm_comm=ctx.sm)
-    whole, fill = gemm_of(ctx.tokens) * (1 + s.slowdown), _fill(ctx, gemm_of)
-    main = g.compute(f"{name} fused", whole - fill, ready, contended=True)
-    return g.compute(f"{name} fused tail", fill, [main, ag])
-
-
-def _fused_reduce(g, ctx, name, ready, n_out, gemm_of, after=None):
-    """The GEMM kernel fills every owner's slot; the slots' all-to-all starts when it ends;
-    ``after(kernel)`` may add work that runs beside that all-to-all (the column bwd's wgrad)."""
-    if ctx.strategy.name == "flux":
-        return _flux_reduce(g, ctx, name, ready, n_out, gemm_of, after)
-    s = ctx.strategy
-    main = g.compute(f"{name} fused", gemm_of(ctx.tokens) * (1 + s.slowdown), ready)
-    partials = ctx.tokens * n_out * ctx.d * (ctx.tp - 1) / ctx.tp
-    rs = g.transfer(f"{name} RS (a2a)", transfer_cost(partials, ctx.link), [main], sm_comm=ctx.sm)
-    beside = [after(main)] if after is not None else []
-    reduce_ms = elementwise_ms((ctx.tp + 1) * ctx.tokens / ctx.tp * n_out * ctx.d, ctx.hw)
-    return g.compute(f"{name} reduce", reduce_ms, [main, rs, *beside])
-
-
 # ------------------------------------------------------------------ linears
 
 
@@ -328,15 +234,15 @@ def linear_fwd(g: Graph, ctx: Ctx, op: Linear, ready: list) -> list:
         if s.name == "p2p":
             return [_ring_gather_consume(g, ctx, name, ready, op.k * d, gemm_of, ctx.pieces())[0]]
         if s.name == "symm-mem":
-            return [_copies_consume(g, ctx, name, ready, T / R * op.k * d, gemm_of)]
-        return [_fused_gather(g, ctx, name, ready, T * op.k * d, gemm_of)]
+            return [copies_consume(g, ctx, name, ready, T / R * op.k * d, gemm_of)]
+        return [fused_gather(g, ctx, name, ready, T * op.k * d, gemm_of)]
     gemm_of = lambda m: ctx.gemm(m, op.n, op.k / R)  # noqa: E731
     if R == 1:
         return [g.compute(name, gemm_of(T), ready)]
     if not ctx.sequence_parallel and s.name == "p2p":
-        return [_chunked_all_reduce(g, ctx, name, ready, op.n, gemm_of)]
+        return [chunked_all_reduce(g, ctx, name, ready, op.n, gemm_of)]
     if not ctx.sequence_parallel and s.name == "symm-mem":
-        return [_reduce_then_gather(g, ctx, name, ready, op.n, gemm_of)]
+        return [reduce_then_gather(g, ctx, name, ready, op.n, gemm_of)]
     if s.name == "megatron" or not ctx.sequence_parallel:
         y = g.compute(name, gemm_of(T), ready, contended=True)
         if ctx.sequence_parallel:
@@ -345,8 +251,8 @@ def linear_fwd(g: Graph, ctx: Ctx, op: Linear, ready: list) -> list:
     if s.name == "p2p":
         return [_ring_reduce_scatter(g, ctx, name, ready, op.n, gemm_of, ctx.pieces(), s.rs)]
     if s.name == "symm-mem":
-        return [_copies_reduce(g, ctx, name, ready, op.n, gemm_of)]
-    return [_fused_reduce(g, ctx, name, ready, op.n, gemm_of)]
+        return [copies_reduce(g, ctx, name, ready, op.n, gemm_of)]
+    return [fused_reduce(g, ctx, name, ready, op.n, gemm_of)]
 
 
 def linear_bwd(g: Graph, ctx: Ctx, op: Linear, ready: list, prefetch=None, next_column: Linear = None):
@@ -372,9 +278,9 @@ def linear_bwd(g: Graph, ctx: Ctx, op: Linear, ready: list, prefetch=None, next_
             g.compute(f"{name} wgrad", wgrad_ms, [last], contended=True)
             return [last], handle
         if s.name == "symm-mem":
-            last = _copies_consume(g, ctx, f"{name} dgrad", ready, T / R * op.n * d, dgrad_of)
+            last = copies_consume(g, ctx, f"{name} dgrad", ready, T / R * op.n * d, dgrad_of)
         else:
-            last = _fused_gather(g, ctx, f"{name} dgrad", ready, T * op.n * d, dgrad_of)
+            last = fused_gather(g, ctx, f"{name} dgrad", ready, T * op.n * d, dgrad_of)
         g.compute(f"{name} wgrad", wgrad_ms, [last])
         return [last], None
 
@@ -383,8 +289,8 @@ def linear_bwd(g: Graph, ctx: Ctx, op: Linear, ready: list, prefetch=None, next_
     if R > 1 and not ctx.sequence_parallel and s.name in ("p2p", "symm-mem"):
         wgrad = lambda last: g.compute(f"{name} wgrad", wgrad_ms, [last], contended=True)  # noqa: E731
         if s.name == "p2p":
-            return [_chunked_all_reduce(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, after=wgrad)], None
-        return [_reduce_then_gather(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, after=wgrad)], None
+            return [chunked_all_reduce(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, after=wgrad)], None
+        return [reduce_then_gather(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, after=wgrad)], None
     if R == 1 or not ctx.sequence_parallel:
         dx = g.compute(f"{name} dgrad", dgrad_of(T), ready)
         if R > 1:  # input replicated: the dgrad is all-reduced (async, beside the wgrad)
@@ -405,12 +311,12 @@ def linear_bwd(g: Graph, ctx: Ctx, op: Linear, ready: list, prefetch=None, next_
         w = g.compute(f"{name} wgrad", wgrad_ms, [dx, ag], contended=True)
         return [g.compute(f"{name} wait", 0.0, [w, rs])], None
     if s.name == "symm-mem":
-        dx = _copies_reduce(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of)
+        dx = copies_reduce(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of)
         w = g.compute(f"{name} wgrad", wgrad_ms, [dx, ag], contended=True)
         return [w], None
     # fused: the wgrad runs while the dgrad slots travel, then the reduce
     wgrad = lambda kernel: g.compute(f"{name} wgrad", wgrad_ms, [kernel, ag], contended=True)  # noqa: E731
-    return [_fused_reduce(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, after=wgrad)], None
+    return [fused_reduce(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, after=wgrad)], None
 
 
 # ------------------------------------------------------------------ other ops

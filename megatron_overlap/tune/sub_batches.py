@@ -13,7 +13,7 @@ chain first); each MLP part's fc2 starts its fc1's wgrad-input re-gather, and th
 the part that runs first starts the QKV input's, whole (the parts' attention backwards move
 nothing of their own). A part is the op on T / N tokens: the smaller GEMMs' lower efficiency is ``gemm_ms``'s.
 Without sequence parallelism (``ctx.sequence_parallel`` False) no gather is posted ahead: each
-part's Row forward and Column dgrad all-reduce their row pieces (``strategies._chunked_all_reduce``),
+part's Row forward and Column dgrad all-reduce their row pieces (``transfers.chunked_all_reduce``),
 waited after the last part, and a part's Row backward moves nothing.
 Not modelled: per-part launch or Python overhead; ``symm-mem`` parts finish their
 reduce-scatters in place (only ``p2p`` defers them).
