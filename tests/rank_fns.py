@@ -347,8 +347,10 @@ def _use_reference_symm_mem():
     so the same two ops are computed with stock collectives (ReferenceSymmMemOps)."""
     from megatron_overlap.tp.backends import symm_mem
 
+    from .symm_mem_reference import ReferenceSymmMemOps
+
     symm_mem.availability = lambda *a, **k: (True, "reference ops (test)")
-    symm_mem.TorchSymmMemOps = symm_mem.ReferenceSymmMemOps
+    symm_mem.TorchSymmMemOps = ReferenceSymmMemOps
 
 
 def backend_layer_parity(tp: int, backend: str, seed: int) -> list[dict]:

@@ -5,6 +5,7 @@
     timeline.py   the PNG timelines of the demo, the benchmarks, ``plan`` and ``report``
 """
 
-from .tracer import StepTracer, parse_iterations, wait
+from .markers import wait
+from .tracer import StepTracer, parse_iterations
 
 __all__ = ["StepTracer", "parse_iterations", "wait"]

@@ -4,7 +4,6 @@ probing of the machine (``measure_cpu`` is the one module that times anything, o
     hardware.py    HardwareSpec values (datasheet numbers, cited) and the cpu-emulated builder
     gemm.py        roofline / efficiency-curve GEMM time, calibration from measured tables
     comm.py        alpha-beta collectives on a one-egress-port-per-rank switch
-    overlap.py     closed forms: pipelining, SM contention, fused kernels
     engine.py      in-order stream scheduler (tasks as data) and exposed-communication accounting
     layer_ops.py   a transformer layer's ops and their costs
     strategies.py  megatron / p2p / symm-mem / fused as task graphs
