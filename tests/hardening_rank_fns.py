@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .rank_fns import _install, _layers, _run_layer
+from .rank_helpers import install, run_layer, tiny_layers
 
 
 def bit_identity(seed: int, cases) -> list:
@@ -16,7 +16,7 @@ def bit_identity(seed: int, cases) -> list:
     from megatron_overlap.lab import tiny_gpt
 
     tiny_gpt.init_parallel(2, seed=seed)
-    _config, layers = _layers(2, fusion=False)
+    _config, layers = tiny_layers(2, fusion=False)
     gen = torch.Generator().manual_seed(seed * 7 + dist.get_rank())
     out = []
     for s, b, chunks, bidir in cases:
@@ -29,18 +29,18 @@ def bit_identity(seed: int, cases) -> list:
                             generator=gen)
             out_dim = layer.output_size_per_partition if column else layer.output_size
             dy = torch.randn(2 * s if column else s, b, out_dim, generator=gen)
-            _install([])
-            stock = _run_layer(layer, x, dy, False)
-            _install(["--overlap-tp", "p2p", "--overlap-tp-chunks", str(chunks)]
-                     + (["--overlap-tp-bidirectional"] if bidir else []))
-            ours = _run_layer(layer, x, dy, False)
+            install([])
+            stock = run_layer(layer, x, dy, False)
+            install(["--overlap-tp", "p2p", "--overlap-tp-chunks", str(chunks)]
+                    + (["--overlap-tp-bidirectional"] if bidir else []))
+            ours = run_layer(layer, x, dy, False)
             for key in stock:
                 equal &= torch.equal(ours[key], stock[key])
                 diff = (ours[key].double() - stock[key].double()).norm() / stock[key].double().norm().clamp_min(1e-30)
                 worst = max(worst, float(diff))
         out.append(dict(case=(s, b, chunks, bidir), min_token_rows=min(p.rows for p in pieces) * b, equal=equal,
                         rel=worst, premise=premise))
-    _install([])
+    install([])
     return out
 
 

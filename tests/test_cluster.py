@@ -9,7 +9,7 @@ import pytest
 
 from megatron_overlap.lab.cluster import ClusterConfig
 
-from .test_cli import cli
+from .cli_runner import cli
 
 TOLERANCE = 0.05  # the lab check's (BENCHMARKS.md): measured step within 5% of pp/simulate.py
 

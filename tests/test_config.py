@@ -13,6 +13,8 @@ from megatron_overlap.config import ModelContext, TPConfig
 from megatron_overlap.tp.checks import check_tp_model
 from megatron_overlap.tp.plan import chunks_per_rank
 
+from .flag_args import megatron_args, parse, parser_error
+
 MEGATRON_FLAGS = {
     line.strip()
     for line in (Path(__file__).parent / "data" / "megatron_flags.txt").read_text().splitlines()
@@ -21,10 +23,6 @@ MEGATRON_FLAGS = {
 
 
 HDP = ["--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64"]
-
-
-def parse(*flags):
-    return overlap_parser().parse_args(list(flags))
 
 
 def test_flag_set_is_pinned():
@@ -99,7 +97,8 @@ def test_deprecated_spellings_do_what_the_new_ones_do_and_warn_once(old, new, mo
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the new spelling warns of nothing
             assert OverlapConfig.from_args(parse(*new)) is not None
-        configs = [OverlapConfig.from_args(parse(*old)) for _ in range(3)]  # Megatron parses several times
+        # parsed here, so the warning's place is this file; Megatron parses several times
+        configs = [OverlapConfig.from_args(overlap_parser().parse_args(list(old))) for _ in range(3)]
     assert configs[0] == configs[2] == OverlapConfig.from_args(parse(*new))
     texts = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
     assert len(texts) == 1, texts
@@ -195,31 +194,6 @@ def test_pieces_cover_the_shard_exactly():
 
 
 # --------------------------------------------------------------------------- bad input
-def megatron_args(*flags, tp=4, sp=True, impl="local", tp_comm_overlap=False, seq=64, cp=1, pp=1,
-                  heads=8, kv_heads=4, **megatron):
-    args = parse(*flags)
-    for name, value in megatron.items():
-        setattr(args, name, value)
-    args.context_parallel_size = cp
-    args.pipeline_model_parallel_size = pp
-    args.num_attention_heads = heads
-    args.group_query_attention = kv_heads != heads
-    args.num_query_groups = kv_heads
-    args.tensor_model_parallel_size = tp
-    args.sequence_parallel = sp
-    args.transformer_impl = impl
-    args.tp_comm_overlap = tp_comm_overlap
-    args.seq_length = seq
-    args.micro_batch_size = 1
-    return args
-
-
-def parser_error(capsys, *flags) -> str:
-    with pytest.raises(SystemExit):
-        parse(*flags)
-    return capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     "flags,kwargs,flag,words",
     [

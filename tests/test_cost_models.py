@@ -95,8 +95,8 @@ def test_more_bandwidth_is_never_slower(name):
             assert faster <= slower * (1 + 1e-9), (strategy, steps)
 
 
-def test_engine_is_monotone_in_durations():
-    rng = random.Random()  # fresh graph each run
+def test_engine_is_monotone_in_durations(seed):
+    rng = random.Random(seed)  # a fresh graph each run (conftest: printed on failure)
     g = Graph()
     for i in range(40):
         deps = [j for j in range(i) if rng.random() < 0.1]

@@ -18,7 +18,7 @@ import pytest
 import megatron_overlap
 from megatron_overlap import OverlapConfig, OverlapConfigError
 
-from .test_config import megatron_args, parse, parser_error
+from .flag_args import megatron_args, parse, parser_error
 
 
 def install_error(*flags, **megatron) -> OverlapConfigError:
