@@ -185,7 +185,7 @@ _FLAGS = (  # (flag, config field, argparse keywords)
 FLAGS = tuple(flag for flag, _field, _kw in _FLAGS)
 FIELDS = {field: flag for flag, field, _kw in _FLAGS}  # config field -> flag
 
-# Old spellings (issue 34's flag pass), each still accepted and warning once: old -> new
+# Old spellings (renamed to one prefix and one spelling per concept), each still accepted and warning once: old -> new
 # (None: ignored, the setting is derived). Pinned by tests/test_config.py.
 DEPRECATED = {
     "--overlap-autotune": "--overlap-tp-autotune",

@@ -1,5 +1,5 @@
 """The HDP planner's wall time per step (``schedule_hdp`` with locality), as BENCHMARKS.md's
-issue-24 entry quotes it: at R = 64 and 256, C = 32768, T = 2 and 8 x R x C, two batches of the
+HDP planner-time entry quotes it: at R = 64 and 256, C = 32768, T = 2 and 8 x R x C, two batches of the
 packages corpus and one heavy-tailed batch per point, documents cut at R x C / 8; then a digest
 of every plan (the same digest before and after a speed change means the same plans). With
 the guard: the same, plus megatron-core's plan (``schedule_megatron_balanced``) and

@@ -203,7 +203,7 @@ def test_demo_end_to_end(tmp_path):
     assert (traces / "timeline.png").stat().st_size > 10_000
     assert report.stdout.count("iter2.overlap") == world
     assert out.stdout.startswith("megatron-overlap demo: TP=2")
-    # ours is the cost model's pick for this CPU and link (issue 34), said with the flags it ran
+    # ours is the cost model's pick for this CPU and link, said with the flags it ran
     choice = json.loads((tmp_path / "result.json").read_text())["choice"]
     assert choice["why"].startswith("the cost model's pick for this CPU") and "stock" in choice["predicted_ms"]
     assert f"ours ran: {choice['mode']} ({choice['flags']}): the cost model's pick" in out.stdout
@@ -471,7 +471,7 @@ def test_a_command_past_its_timeout_is_killed_with_its_ranks():
     assert out.returncode == 2 and "a stage's times are F/B/W in ms" in out.stderr
 
 
-# issue 34: one spelling per concept across the commands; each old one still works and warns once
+# one spelling per concept across the commands; each old one still works and warns once
 @pytest.mark.parametrize("old,new,warning", [
     (["demo", "--world", "4"], ["demo", "--ranks", "4"], "--world is deprecated; use --ranks"),
     (["demo", "--hdp"], ["demo", "--overlap-hdp"], "--hdp is deprecated; use --overlap-hdp"),

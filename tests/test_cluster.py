@@ -1,4 +1,4 @@
-"""The emulated cluster (issue: scale-lab): PP x DP ranks whose compute is a wait of the cost
+"""The emulated cluster: PP x DP ranks whose compute is a wait of the cost
 model's times, with the real executor, Megatron's 1F1B, DDP and distributed optimizer around
 them. Checked against the simulator it is meant to reproduce (times, not numerics), and its
 command line's refusals."""
@@ -107,7 +107,7 @@ def test_durations_files_are_checked_naming_what_is_missing(tmp_path):
 
 
 def test_virtual_pipelines_on_the_emulated_cluster_reproduce_the_simulator(pool4):
-    """PP=2 x DP=2 with 2 model chunks per stage (issue 23), m = 4: Megatron's interleaved 1F1B,
+    """PP=2 x DP=2 with 2 model chunks per stage, m = 4: Megatron's interleaved 1F1B,
     our interleaved zb and ZB-V over Megatron's chunk DDPs and the distributed optimizer
     (``align_param_gather``, every bucket's gather in flight at once) within 10% of the
     simulator's per-chunk prediction; the same losses (the V's chunks carry the same virtual

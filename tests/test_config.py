@@ -31,7 +31,7 @@ def test_flag_set_is_pinned():
     parser = add_overlap_args(argparse.ArgumentParser())
     added = {opt for action in parser._actions for opt in action.option_strings} - {"-h", "--help"}
     assert added == set(megatron_overlap.FLAGS) | set(DEPRECATED)
-    assert all(flag.startswith("--overlap-") for flag in megatron_overlap.FLAGS)  # one prefix (issue 34)
+    assert all(flag.startswith("--overlap-") for flag in megatron_overlap.FLAGS)  # one prefix
     assert set(DEPRECATED) == {"--overlap-autotune", "--overlap-plan", "--hdp", "--hdp-max-tokens-per-rank",
                                "--hdp-mode"}
     assert set(megatron_overlap.FLAGS) == {
@@ -40,20 +40,20 @@ def test_flag_set_is_pinned():
         "--overlap-tp-rs",
         "--overlap-tp-bidirectional",
         "--overlap-tp-sub-batches",
-        "--overlap-tp-allreduce-fusion",  # issue 35: CoCoNet's transformation without sequence parallelism
-        "--overlap-tp-autotune",  # issue 34: was --overlap-autotune (TP only)
-        "--overlap-tp-plan-file",  # issue 34: was --overlap-plan (TP only, not the plan command)
+        "--overlap-tp-allreduce-fusion",  # CoCoNet's transformation without sequence parallelism
+        "--overlap-tp-autotune",  # was --overlap-autotune (TP only)
+        "--overlap-tp-plan-file",  # was --overlap-plan (TP only, not the plan command)
         "--overlap-trace",
         "--overlap-trace-iters",
         "--overlap-cp",
         "--overlap-cp-a2a-size",
-        "--overlap-hdp",  # issue 34: was --hdp
-        "--overlap-hdp-max-tokens-per-rank",  # issue 34: was --hdp-max-tokens-per-rank; --hdp-mode is derived
+        "--overlap-hdp",  # was --hdp
+        "--overlap-hdp-max-tokens-per-rank",  # was --hdp-max-tokens-per-rank; --hdp-mode is derived
         "--overlap-pp",
         "--overlap-pp-max-inflight",
         "--overlap-pp-memory-budget",
-        "--overlap-pp-buckets",  # issue 23: DDP buckets on every stage and chunk of a virtual pipeline
-        "--overlap-timeout-s",  # issue 25: bounds the plugin's own waits (docs/failures.md)
+        "--overlap-pp-buckets",  # DDP buckets on every stage and chunk of a virtual pipeline
+        "--overlap-timeout-s",  # bounds the plugin's own waits (docs/failures.md)
     }
 
 
@@ -75,7 +75,7 @@ def test_no_flag_collides_with_megatron():
     assert not ours & megatron_dests
 
 
-# issue 34: every old spelling still works, does what its new name does, and warns once (rank 0)
+# every old spelling still works, does what its new name does, and warns once (rank 0)
 @pytest.mark.parametrize("old,new", [
     (["--overlap-tp", "p2p", "--overlap-autotune"], ["--overlap-tp", "p2p", "--overlap-tp-autotune"]),
     (["--overlap-tp", "p2p", "--overlap-plan", "p.json"], ["--overlap-tp", "p2p", "--overlap-tp-plan-file", "p.json"]),
@@ -197,7 +197,7 @@ def test_pieces_cover_the_shard_exactly():
 @pytest.mark.parametrize(
     "flags,kwargs,flag,words",
     [
-        # without sequence parallelism (issue 35): what the all-reduce path cannot run
+        # without sequence parallelism: what the all-reduce path cannot run
         (["--overlap-tp", "fused"], dict(sp=False), "--overlap-tp", "hide nothing; use --overlap-tp p2p"),
         (["--overlap-tp", "p2p", "--overlap-tp-bidirectional"], dict(sp=False), "--overlap-tp-bidirectional",
          "no ring to split"),
@@ -337,7 +337,7 @@ def test_parser_rejects_bad_values_naming_the_flag(capsys):
     assert "argument --overlap-tp-rs: invalid choice" in parser_error(capsys, "--overlap-tp-rs", "tree")
     assert "argument --overlap-tp-sub-batches: expected a whole number >= 1 or auto, got 'two'" in parser_error(
         capsys, "--overlap-tp-sub-batches", "two")
-    # refused while parsing, before install (they were refused at install before issue 25)
+    # refused while parsing, before install (they were refused at install before)
     assert "argument --overlap-tp-sub-batches: must be a whole number >= 1 or auto in 1 .." in parser_error(
         capsys, "--overlap-tp", "p2p", "--overlap-tp-sub-batches", "0")
     assert "argument --overlap-hdp-max-tokens-per-rank: must be a whole number of tokens in 1 .." in parser_error(
@@ -419,7 +419,7 @@ def test_memory_budget_below_one_or_p_microbatches_is_refused():
 
 
 def test_hdp_installs_with_what_long_context_runs_need():
-    """Issue 38: --overlap-hdp with DDP's overlapped gradient reduction and the distributed optimizer's
+    """--overlap-hdp with DDP's overlapped gradient reduction and the distributed optimizer's
     overlaps, and HDP under a pipeline with our pipeline schedules, install (they were refused: the
     runs are in tests/test_pretrain_gpt.py); ZB-V and virtual pipelines are still refused, naming
     both flags (test_invalid_configurations_name_the_flag)."""

@@ -1,4 +1,4 @@
-"""Issue 25's findings, one test each: every input checked at start by one rule, refused naming
+"""The hardening findings, one test each: every input checked at start by one rule, refused naming
 its flag, file or variable and what would work; caches that cannot hurt a run; the planner only
 recommending what Megatron builds; commands checking their arguments before any rank starts;
 uninstall leaving a neighbour's wrapper in place. (The waits that say where: test_wait_sites.py;

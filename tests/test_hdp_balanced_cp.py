@@ -1,6 +1,6 @@
 """hdp.balanced_cp.FastBalancedCP against megatron-core's own ``BalancedCPScheduler``: the same
 groups, sample ids and failures on random batches (powers of two and not), and the same Plan
-through ``schedule_megatron_balanced`` on a heavy-tailed R = 256 batch (issue 24); hdp.both_models.for_both."""
+through ``schedule_megatron_balanced`` on a heavy-tailed R = 256 batch; hdp.both_models.for_both."""
 
 import math
 import random

@@ -1,4 +1,4 @@
-"""HDP on the batches users train with (issue 24): ``bench hdp --batch-tokens`` cutting a lengths
+"""HDP on the batches users train with: ``bench hdp --batch-tokens`` cutting a lengths
 file, the refusal of a file that is one batch by accident, the guard that keeps a plan never more
 than 1% slower than megatron-core's under either cost model, and the planner's speed."""
 
@@ -140,7 +140,7 @@ def test_the_fast_planner_scores_every_ring_size_as_the_plain_loop_does():
 
 
 def test_the_planners_numpy_paths_give_the_plain_loops_numbers():
-    """Issue 24's third pass (planner time): every vectorised or memoised step gives what the
+    """The planner-time pass: every vectorised or memoised step gives what the
     plain code gives, bit for bit, so the plans stay the same: the small ring sizes scored for
     all nodes at once (``RingSizes.small_estimates``) against ``best`` size by size, the sorted
     clocks and prefix sums against ``sorted`` and a running sum, the lower bound's scan of all

@@ -1,4 +1,4 @@
-"""HDP runtime (issue 5): on 4 CPU gloo ranks, a tiny GPT (fp32, Megatron's local spec, TP 1,
+"""HDP runtime: on 4 CPU gloo ranks, a tiny GPT (fp32, Megatron's local spec, TP 1,
 CP 1) on a batch of short sequences held whole and long ones sharded over rings of 2 and 3 ranks
 gives the loss and the gradients of one process computing the mean over all tokens; the plan is
 the same on every rank; a one-rank ring runs packed documents; the refusals name the flag."""
@@ -249,7 +249,7 @@ def test_a_stage_that_reads_no_batch_still_moves_to_the_next_micro_batch():
 
 
 def test_a_recomputed_forward_runs_in_the_ring_of_its_forward(monkeypatch):
-    """Issue 38: Megatron's activation checkpoints re-run a forward inside the backward, where
+    """Megatron's activation checkpoints re-run a forward inside the backward, where
     the HDP micro-batch's ring context is no longer entered. With --overlap-hdp installed the function
     saved for the recomputation carries the ring of its forward (both checkpoint kinds); stock
     Megatron (uninstalled) recomputes with no ring. Trained through pretrain_gpt.py with

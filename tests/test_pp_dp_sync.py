@@ -1,4 +1,4 @@
-"""The data-parallel sync in the pipeline's bubbles (issue: scale-lab): the weight-gradient
+"""The data-parallel sync in the pipeline's bubbles: the weight-gradient
 drain (``tp/wgrad_store.py``), the simulator's DP model (``pp/simulate.py``), Megatron DDP's
 bucket layout (``pp/buckets.py``) and the floor with the DP sync (``pp/optimal.py``). Pure: no
 ranks; the numerics through Megatron's DDP and distributed optimizer are in

@@ -1,5 +1,5 @@
-"""Pipeline schedules as data (issue: pipeline): every generated schedule validated over the
-issue's ranges, broken ones rejected with a message that says what is wrong, and the simulated
+"""Pipeline schedules as data: every generated schedule validated over the
+required ranges, broken ones rejected with a message that says what is wrong, and the simulated
 bubble of each against 1F1B's. Pure Python, no torch.distributed."""
 
 import dataclasses

@@ -1,7 +1,7 @@
-"""Virtual pipelines as data (issue 23, part 1): Megatron's interleaved 1F1B exactly as
+"""Virtual pipelines as data: Megatron's interleaved 1F1B exactly as
 megatron-core orders its model chunks (checked against Megatron's own
 ``forward_backward_pipelining_with_interleaving``, run with its compute recorded), interleaved
-zero bubble and ZB-V validated over the issue's ranges, the bubble formulas, ZB-V at 1F1B's
+zero bubble and ZB-V validated over the required ranges, the bubble formulas, ZB-V at 1F1B's
 activation memory, and the floor below every schedule."""
 
 import random
@@ -132,7 +132,7 @@ def test_zbv_turns_without_a_transfer_and_reaches_the_floor():
     """The V's turn (virtual stage p - 1 to p, both on the last stage) is a hand-over: no transfer
     to itself, 2 (2p - 2) transfers per micro-batch against interleaved's 2 (2p - 1). Where
     F = B = W, ZB-V is optimal at 1F1B's memory (the CP-SAT floor equals its step), and the floor
-    proves a bubble under ~0.37x stock interleaved's impossible there: the issue's 0.25x cannot be
+    proves a bubble under ~0.37x stock interleaved's impossible there: a 0.25x target cannot be
     met in this model (the last stage waits (p - 1) chunk forwards for its first input)."""
     p, m = 4, 8
     zbv, inter = build("zbv", p, m, chunks=2), build("megatron", p, m, chunks=2)

@@ -1,4 +1,4 @@
-"""Tensor parallelism without sequence parallelism (issue 35): the all-reduces of Megatron's
+"""Tensor parallelism without sequence parallelism: the all-reduces of Megatron's
 Column/Row linears overlapped (``tp/linear_ar.py``), sub-batches without SP, the all-reduce
 fusion (``tp/allreduce_fusion.py``) and the numerics it states, what the path refuses, and the
 emulated link counting and delaying stock's all-reduces as well as ours.

@@ -69,7 +69,7 @@ SUB_STEPS = 3
 @pytest.mark.parametrize("overlap_grad_reduce", [False, True], ids=["ogr-off", "ogr-on"])
 @pytest.mark.parametrize("tp,n", [(2, 2), (2, 3), (4, 2), (4, 3)], ids=["tp2-sub2", "tp2-sub3", "tp4-sub2", "tp4-sub3"])
 def test_sub_batches_match_stock(pool4, tp, n, overlap_grad_reduce):
-    """Each attention and MLP block cut into n sub-batches (issue: workload-partition; uneven for
+    """Each attention and MLP block cut into n sub-batches (uneven for
     n = 3: 32 rows per rank -> 11, 11, 10 at TP=2, 16 -> 6, 5, 5 at TP=4): losses within 1e-6 of
     stock and every gradient of the first step within 1e-6 relative. The forward computes every
     row with the same GEMMs and the same softmax as stock, so at TP=2 (where per-op overlap is

@@ -141,7 +141,7 @@ def summarize(cfg: PPBench, rounds: list, described: list) -> dict:
     return result
 
 
-FLOOR_MEMORY = 1.05  # the issue's bound on ZB-H1's peak activation memory, x 1F1B's
+FLOOR_MEMORY = 1.05  # the bound on ZB-H1's peak activation memory we hold it to, x 1F1B's
 
 
 def _floor(cfg: PPBench, described: list) -> dict:

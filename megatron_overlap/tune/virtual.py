@@ -1,4 +1,4 @@
-"""Virtual pipelines in the planner (issue 23): Megatron's interleaved 1F1B (v = 2, 4), our
+"""Virtual pipelines in the planner: Megatron's interleaved 1F1B (v = 2, 4), our
 interleaved zero bubble and ZB-V, simulated on the same per-stage costs as the non-interleaved
 schedules (``tune/pipeline.py``), each with its peak activation memory per stage.
 
