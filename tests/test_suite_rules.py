@@ -151,3 +151,24 @@ def test_the_reference_symm_mem_ops_are_put_back():
     with pytest.raises(ZeroDivisionError), reference_symm_mem():
         1 / 0
     assert (symm_mem.TorchSymmMemOps, symm_mem.availability) == before
+
+
+_WORK_NUMBER = re.compile(r"\bissue[ -]#?\d+|\bissue: [a-z-]+|\bissue \d+'s", re.IGNORECASE)
+
+
+def work_numbers(text: str) -> list:
+    """Internal work numbers a reader cannot look up ("issue 23", "issue-24", "(issue: pipeline)");
+    an upstream project's own issue, named with its project ("Megatron-LM issue #4385"), may stay."""
+    return [m.group(0) for m in _WORK_NUMBER.finditer(text)
+            if not text[max(0, m.start() - 12):m.start()].rstrip().endswith("Megatron-LM")]
+
+
+def test_no_internal_work_numbers_in_code_tests_or_scripts():
+    root = TESTS.parent
+    files = [p for d in ("megatron_overlap", "tests", "scripts", "examples") for p in sorted((root / d).rglob("*"))
+             if p.suffix in (".py", ".sh", ".txt", ".md", ".sbatch") and p != pathlib.Path(__file__)]
+    offenders = [f"{p.relative_to(root)}: {hits}" for p in files if (hits := work_numbers(p.read_text()))]
+    assert not offenders, "\n".join(offenders)
+    assert work_numbers("x (issue 23) y issue-24 z (issue: scale-lab) Issue 25's w") == [
+        "issue 23", "issue-24", "issue: scale-lab", "Issue 25"]
+    assert work_numbers("Megatron-LM issue #4385; a rank issues 3 sends") == []
