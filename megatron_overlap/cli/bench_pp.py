@@ -281,7 +281,7 @@ def pp_main(args) -> int:
     values = {f.name: (getattr(args, f.name) if getattr(args, f.name, None) is not None else getattr(defaults, f.name))
               for f in fields(PPBench) if hasattr(args, f.name)}
     cfg = PPBench(**values)
-    from .checks import amounts, counts  # every value checked before the ranks start
+    from .arg_checks import amounts, counts  # every value checked before the ranks start
 
     counts("bench pp", **{_flag(f.name)[2:].replace("-", "_"): (getattr(cfg, f.name), 0 if f.name == "warmup" else 1)
                           for f in fields(PPBench) if f.type in ("int", int) and f.name != "seed"})

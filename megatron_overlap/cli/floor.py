@@ -89,7 +89,7 @@ def format_floor(result: dict) -> str:
 
 
 def floor_main(args) -> int:
-    from .checks import amounts, counts
+    from .arg_checks import amounts, counts
 
     counts("floor", stages=(args.stages, 0), micro_batches=(args.microbatches, 1))
     amounts("floor", ("memory", "time_limit"), transfer_ms=args.transfer_ms, latency_ms=args.latency_ms,

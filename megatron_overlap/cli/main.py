@@ -94,7 +94,7 @@ def main(argv=None) -> int:
             return 2
         return 0
     if args.command == "check":
-        from .check import main as check_main
+        from .env_report import main as check_main
 
         return check_main(args.json)
     if args.command == "floor":

@@ -72,7 +72,7 @@ def plan_main(args) -> int:
 
         print(published_table())
         return 0
-    from .checks import counts
+    from .arg_checks import counts
 
     counts("plan", tp=(args.tp, 1), cp=(args.cp, 1), pp=(args.pp, 1), dp=(args.dp, 1),
            micro_batch=(args.micro_batch, 1), **{d: (getattr(args, d), 1) for d in _DIMS + ("seq", "micro_batches")
