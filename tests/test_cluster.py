@@ -11,7 +11,7 @@ from megatron_overlap.lab.cluster import ClusterConfig
 
 from .cli_runner import cli
 
-TOLERANCE = 0.05  # the lab check's (BENCHMARKS.md): measured step within 5% of pp/simulate.py
+TOLERANCE = 0.05  # the lab check's (BENCHMARKS.md): measured step within 5% of pp/schedule_sim.py
 
 
 def test_the_emulated_cluster_reproduces_the_simulator(pool4):
@@ -171,7 +171,7 @@ def test_the_simulator_gathers_a_chunks_parameters_in_the_order_dispatched():
     bucket is in and runs each bucket's share once that one is; in bucket order (stock's
     ``gather_aligned``: the last layers' bucket first) it waits for all of them."""
     from megatron_overlap.pp import build
-    from megatron_overlap.pp.simulate import DPSync, StageTimes, simulate
+    from megatron_overlap.pp.schedule_sim import DPSync, StageTimes, simulate
 
     times = [StageTimes(12.0, 10.0, 10.0)] * 2  # a chunk's forward: 6 ms
     sync = DPSync(reduce_ms=(1.0, 1.0), reduce_chunks=(0, 1), gather_ms=(2.0, 3.0, 4.0, 5.0),
@@ -194,7 +194,7 @@ def test_the_simulator_sends_each_bucket_as_its_chunks_last_gradient_fills_it():
     first), one after the other on the port; the stage's reductions end earlier than when all
     leave at the W's end, by as much of the W as the first buckets' share."""
     from megatron_overlap.pp import build
-    from megatron_overlap.pp.simulate import DPSync, StageTimes, simulate
+    from megatron_overlap.pp.schedule_sim import DPSync, StageTimes, simulate
 
     times = [StageTimes(10.0, 10.0, 8.0)] * 2  # a chunk's W: 4 ms
     sync = DPSync(reduce_ms=(1.0, 3.0, 2.0, 2.0), reduce_chunks=(0, 0, 1, 1))
@@ -224,7 +224,7 @@ def test_the_simulator_dispatches_each_chunks_buckets_after_its_last_gradient():
     other on the stage's data-parallel port; never later than the whole stage's sync after its
     last gradient."""
     from megatron_overlap.pp import build
-    from megatron_overlap.pp.simulate import DPSync, StageTimes, simulate
+    from megatron_overlap.pp.schedule_sim import DPSync, StageTimes, simulate
 
     times = [StageTimes(10.0, 10.0, 10.0)] * 2
     ms = {0: 7.0, 1: 5.0}

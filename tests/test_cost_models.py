@@ -11,7 +11,7 @@ from megatron_overlap.tune.engine import Graph, schedule
 from megatron_overlap.tune.hardware import HARDWARE, Link, cpu_emulated_spec, with_link
 from megatron_overlap.tune.layer_ops import mlp_ops
 from megatron_overlap.tune.models import ModelSpec, RunSpec
-from megatron_overlap.tune.simulate import make_ctx, simulate, simulate_ops
+from megatron_overlap.tune.strategy_sim import make_ctx, simulate, simulate_ops
 from megatron_overlap.tune.strategies import Strategy, default_chunks_per_rank, piece_rows
 
 SMALL = ModelSpec("small", hidden=1024, ffn=4096, heads=8, kv_heads=8, layers=2, vocab=1024, seq=2048)
@@ -269,7 +269,7 @@ def test_sub_batches_move_the_same_bytes_and_hide_more_of_a_layer():
     from megatron_overlap.tune.layer_ops import transformer_layer_ops
     from megatron_overlap.tune.models import ModelSpec, RunSpec
     from megatron_overlap.tune.planner import candidates
-    from megatron_overlap.tune.simulate import make_ctx, simulate_ops
+    from megatron_overlap.tune.strategy_sim import make_ctx, simulate_ops
     from megatron_overlap.tune.strategies import Strategy
 
     hw = cpu_emulated_spec(60.0, 10.0, 0.04, 0.0)

@@ -175,7 +175,7 @@ def test_the_demos_pick_is_the_cost_model_fitted_to_its_own_calibration():
     link that costs nothing, nothing of ours is predicted faster, so stock runs."""
     from megatron_overlap.lab import demo_plan
     from megatron_overlap.lab.demo import DemoConfig
-    from megatron_overlap.tune.simulate import simulate
+    from megatron_overlap.tune.strategy_sim import simulate
 
     cfg = DemoConfig()
     gemm_ms = 950.0

@@ -12,7 +12,7 @@ from megatron_overlap.errors import OverlapConfigError
 from megatron_overlap.pp import ScheduleError, build, validate
 from megatron_overlap.pp.schedule import (ACT, B, F, GRAD, POST, RECV, SEND, WAIT, W, Action, Comm, compute, post,
                                           wait)
-from megatron_overlap.pp.simulate import LinkCost, StageTimes, simulate
+from megatron_overlap.pp.schedule_sim import LinkCost, StageTimes, simulate
 from megatron_overlap.pp.validate import _simulate
 
 

@@ -14,7 +14,7 @@ from megatron_overlap.pp import build, validate
 from megatron_overlap.pp.chunks import interleaved_placement, v_placement
 from megatron_overlap.pp.optimal import floor
 from megatron_overlap.pp.schedule import POST
-from megatron_overlap.pp.simulate import LinkCost, StageTimes, simulate
+from megatron_overlap.pp.schedule_sim import LinkCost, StageTimes, simulate
 
 
 class _Group:

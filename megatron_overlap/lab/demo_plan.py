@@ -49,7 +49,7 @@ def fitted_hardware(cfg, cal: Calibration):
     """The ``cpu-emulated`` spec of this run: GEMMs at the measured rate, element-wise work at the
     rate that makes the modelled stock step (free link) take the measured compute."""
     from ..tune.hardware import cpu_emulated_spec
-    from ..tune.simulate import simulate
+    from ..tune.strategy_sim import simulate
     from ..tune.strategies import Strategy
 
     model, run = _model_and_run(cfg)

@@ -16,7 +16,7 @@ probing of the machine (``measure_cpu`` is the one module that times anything, o
 
 from .hardware import HARDWARE, HardwareSpec, Link, cpu_emulated_spec, get_hardware
 from .models import MODELS, ModelSpec, RunSpec, get_model
-from .simulate import StrategyResult, simulate
+from .strategy_sim import StrategyResult, simulate
 from .strategies import Strategy
 
 __all__ = [

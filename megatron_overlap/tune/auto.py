@@ -25,7 +25,7 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
     """What ``--overlap-tp auto`` (or ``--overlap-tp-sub-batches auto``) runs when nothing was
     measured: the cost model simulates the model in Megatron's ``args`` on this GPU for stock,
     ``p2p`` (every chunk count and reduce-scatter the planner knows) and, where it runs,
-    ``symm-mem``, and returns the fastest (a ``tune.simulate.StrategyResult`` and the stock one),
+    ``symm-mem``, and returns the fastest (a ``tune.strategy_sim.StrategyResult`` and the stock one),
     or None without a known GPU or the model's dimensions. ``fixed_p2p = (chunks per rank, rs)``:
     the user fixed the decomposition, so the only candidates are stock and ``p2p`` with it.
     ``sub_batches``: the user's count, kept (candidates whole: the cut is planned at 1), or
@@ -109,7 +109,7 @@ def predicted_pp_choice(args, device: Optional[str], world_size: Optional[int] =
                         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
                         overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)))
     from ..pp.build import placement_times
-    from ..pp.simulate import LinkCost
+    from ..pp.schedule_sim import LinkCost
     from .pipeline import stage_costs
 
     run = replace(run, dp=dp, micro_batches=m)

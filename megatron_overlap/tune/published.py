@@ -21,7 +21,7 @@ from .comm import all_gather_ms
 from .gemm import gemm_ms
 from .hardware import get_hardware
 from .models import RunSpec, get_model
-from .simulate import simulate
+from .strategy_sim import simulate
 from .strategies import Strategy
 
 COMMAND = "megatron-overlap plan --published"
@@ -251,7 +251,7 @@ def _pipeline_rows() -> list[Row]:
     return [
         Row("Zero Bubble PP", "ZB-H1 bubble about 1/3 of 1F1B at the same memory",
             "arXiv 2401.10241 (Qi et al., ICLR 2024)",
-            "simulated (tune/pipeline.py over pp/simulate.py): ZB-H1 vs our 1F1B with the same async P2P; the "
+            "simulated (tune/pipeline.py over pp/schedule_sim.py): ZB-H1 vs our 1F1B with the same async P2P; the "
             "paper's models and GPUs are not in anchors.md, so varied: llama2-7b / llama2-13b, a100-sxm / h100-sxm, "
             "TP=1 x PP=8, seq 4096, micro-batches {8, 16, 32}",
             _zb(_configs("", ["llama2-7b", "llama2-13b"], ["a100-sxm", "h100-sxm"], zb_run, micro_batches=(8, 16, 32)),

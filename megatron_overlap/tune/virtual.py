@@ -24,7 +24,7 @@ from __future__ import annotations
 from ..config import PPConfig
 from ..pp import build
 from ..pp.buckets import buckets as cut_buckets, stage_bucket_size
-from ..pp.simulate import DPSync, LinkCost, simulate as simulate_pipeline
+from ..pp.schedule_sim import DPSync, LinkCost, simulate as simulate_pipeline
 from ..pp.work import stage_params
 from .comm import all_gather_cost, all_reduce_cost, reduce_scatter_cost
 from .pipeline import DPOptions, ScheduleResult, stage_costs
@@ -120,7 +120,7 @@ def _bench_setting():
 
 
 def _interleaved_bubble():
-    from ..pp.simulate import StageTimes
+    from ..pp.schedule_sim import StageTimes
 
     model, run, hw = _bench_setting()
     times = stage_costs(model, run, hw).times
@@ -133,7 +133,7 @@ def _interleaved_bubble():
 
 
 def _zbv_bubble():
-    from ..pp.simulate import StageTimes
+    from ..pp.schedule_sim import StageTimes
 
     p, m = 4, 16
     t = [StageTimes(1.0, 1.0, 1.0)]
@@ -164,7 +164,7 @@ def virtual_rows() -> list:
             "llama3-70b, h100-sxm, TP=8 x PP=4, v=2, m=16, free link; our schedule data of Megatron's order",
             _interleaved_bubble, 3 / 32),
         Row("ZB-V", "zero bubble at 1F1B's activation memory when F ~ B ~ W", source,
-            "simulated (pp/simulate.py), our ZB-V order", _zbv_bubble),
+            "simulated (pp/schedule_sim.py), our ZB-V order", _zbv_bubble),
         Row("ZB-V", "twice the stage-to-stage traffic", source, "counted in the schedules (pp/chunks.py)",
             _zbv_traffic, 2.0),
     ]
