@@ -174,7 +174,7 @@ def fusion_op_vs_reference(seed: int, p: float = 0.1) -> list:
     from megatron_overlap.tp.allreduce_fusion import RowAllReduceBDA
     from megatron_overlap.tp.backends.p2p import P2PBackend
     from megatron_overlap.tp.linear import TPComm, WgradOptions
-    from megatron_overlap.tp.plan import TPPlan
+    from megatron_overlap.tp.linear_plan import TPPlan
 
     out = []
     for size in (2, 4):

@@ -11,7 +11,7 @@ import megatron_overlap
 from megatron_overlap import OverlapConfig, OverlapConfigError, add_overlap_args, overlap_parser
 from megatron_overlap.config import ModelContext, TPConfig
 from megatron_overlap.tp.checks import check_tp_model
-from megatron_overlap.tp.plan import chunks_per_rank
+from megatron_overlap.tp.linear_plan import chunks_per_rank
 
 from .flag_args import megatron_args, parse, parser_error
 
@@ -161,7 +161,7 @@ def test_defaults_and_round_trip():
     tp = config.tp
     assert (tp.mode, tp.chunks, tp.rs, tp.bidirectional) == ("p2p", 16, "a2a", True)
     assert OverlapConfig.from_args(parse(*config.as_flags())) == config
-    from megatron_overlap.tp.plan import resolve_backend
+    from megatron_overlap.tp.linear_plan import resolve_backend
 
     assert resolve_backend(OverlapConfig.from_args(parse("--overlap-tp", "auto")).tp) == "p2p"  # no CUDA here
     assert TPConfig(mode="fused").rs_algo == "a2a" and TPConfig(mode="p2p").rs_algo == "ring"

@@ -220,7 +220,7 @@ def test_pieces_match_the_plugin(rows, chunks, taper):
 @pytest.mark.parametrize("rows,batch", [(16, 1), (255, 1), (256, 1), (1024, 1), (512, 4), (4096, 2)])
 def test_default_chunk_rule_matches_the_plugin(rows, batch):
     from megatron_overlap.config import TPConfig
-    from megatron_overlap.tp.plan import chunks_per_rank
+    from megatron_overlap.tp.linear_plan import chunks_per_rank
 
     assert default_chunks_per_rank(rows, batch) == chunks_per_rank(TPConfig(mode="p2p"), 2, rows, batch)
 
@@ -268,7 +268,7 @@ def test_sub_batches_move_the_same_bytes_and_hide_more_of_a_layer():
     from megatron_overlap.tune.hardware import cpu_emulated_spec
     from megatron_overlap.tune.layer_ops import transformer_layer_ops
     from megatron_overlap.tune.models import ModelSpec, RunSpec
-    from megatron_overlap.tune.planner import candidates
+    from megatron_overlap.tune.strategy_ranking import candidates
     from megatron_overlap.tune.strategy_sim import make_ctx, simulate_ops
     from megatron_overlap.tune.strategies import Strategy
 
@@ -290,7 +290,7 @@ def test_sub_batches_move_the_same_bytes_and_hide_more_of_a_layer():
 
     from megatron_overlap.tune.hardware import get_hardware
     from megatron_overlap.tune.models import get_model
-    from megatron_overlap.tune.planner import make_plan
+    from megatron_overlap.tune.strategy_ranking import make_plan
 
     # Llama-3-70B, H100, TP=8, seq 8192, micro-batch 4: the plan ranks symm-mem cut in 2 first
     plan = make_plan(get_model("llama3-70b"), RunSpec(tp=8, seq=8192, micro_batch=4, phase="train"),

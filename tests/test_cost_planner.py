@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from megatron_overlap.cli.plan import add_plan_args, plan_main
+from megatron_overlap.cli.plan_command import add_plan_args, plan_main
 from megatron_overlap.tune.hardware import get_hardware
 from megatron_overlap.tune.models import RunSpec, get_model
-from megatron_overlap.tune.planner import format_plan, make_plan, plan_json
+from megatron_overlap.tune.strategy_ranking import format_plan, make_plan, plan_json
 from megatron_overlap.tune.published import COMMAND, published_table
 from megatron_overlap.tune.published import published_rows as _published_rows
 from megatron_overlap.tune.strategies import Strategy

@@ -178,7 +178,7 @@ def test_bad_virtual_pipelines_are_refused_with_the_reason():
 def test_plan_ranks_stock_interleaved_and_ours_with_memory_per_stage():
     from megatron_overlap.tune.hardware import get_hardware
     from megatron_overlap.tune.models import RunSpec, get_model
-    from megatron_overlap.tune.planner import format_plan, make_plan
+    from megatron_overlap.tune.strategy_ranking import format_plan, make_plan
     from megatron_overlap.tune.published import published_rows
 
     plan = make_plan(get_model("llama3-70b"), RunSpec(tp=8, pp=4, dp=2, seq=8192, micro_batch=1, micro_batches=16,

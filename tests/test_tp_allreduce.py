@@ -160,7 +160,7 @@ def test_traces_mark_the_all_reduce_waits(pool4):
 def _plan(tp, hardware="a100-pcie", **run):
     from megatron_overlap.tune.hardware import get_hardware
     from megatron_overlap.tune.models import RunSpec, get_model
-    from megatron_overlap.tune.planner import make_plan
+    from megatron_overlap.tune.strategy_ranking import make_plan
 
     return make_plan(get_model("llama3-8b"), RunSpec(tp=tp, sequence_parallel=False, **run), get_hardware(hardware))
 
@@ -205,7 +205,7 @@ def test_plan_recommends_stock_where_overlap_cannot_pay():
 def test_plan_cli_without_sequence_parallel(capsys):
     import json
 
-    from megatron_overlap.cli.plan import main
+    from megatron_overlap.cli.plan_command import main
 
     assert main(["--model", "llama3-8b", "--tp", "4", "--hardware", "a100-pcie", "--no-sequence-parallel",
                  "--json"]) == 0

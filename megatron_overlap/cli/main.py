@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         "floor", help="the shortest pipeline step any schedule can reach for given F/B/W times, link and memory "
         "(CP-SAT; simulated)"))
 
-    from .plan import add_plan_args
+    from .plan_command import add_plan_args
 
     add_plan_args(sub.add_parser("plan", help="rank the strategies (TP overlap, sub-batches, pipeline schedules) for a "
                                  "model on a machine (cost model)"))
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
         return floor_main(args)
     if args.command == "plan":
-        from .plan import plan_main
+        from .plan_command import plan_main
 
         return plan_main(args)
     if args.command == "report":

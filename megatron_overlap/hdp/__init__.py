@@ -5,7 +5,7 @@ balanced, sequences kept where they were loaded where the step allows.
 
     shard.py       which rows of a sequence a rank holds (zigzag over an ordered ring)
     cost.py        what a rank spends on them (compute + exposed ring communication)
-    plan.py        a step's plan as data (per rank, ordered micro-batches) and its invariants
+    step_plan.py   a step's plan as data (per rank, ordered micro-batches) and its invariants
     simulate.py    the step's timeline from a plan
     scheduler.py   the HDP scheduler (``schedule_hdp``)
     locality.py    which plan rank is which, so sequences stay where they were loaded
@@ -27,7 +27,7 @@ here. Nothing in this package imports Megatron: the runtime's model adapter and 
 """
 
 from .cost import HdpCostModel
-from .plan import Plan
+from .step_plan import Plan
 from .scheduler import MODES, check_batch, schedule_hdp
 from .shard import Shard, ranks_needed, zigzag_ranges
 from .simulate import StepTime, simulate

@@ -45,7 +45,7 @@ from typing import List, Optional, Sequence, Tuple
 from .cost import HdpCostModel
 from .gcpause import gc_paused
 from .packing import pack_first_fit
-from .plan import Plan
+from .step_plan import Plan
 from .scheduler import check_batch
 from .shard import Shard, ranks_needed, rows_held
 

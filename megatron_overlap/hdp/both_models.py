@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 from .cost import SquareWorkload
 from .gcpause import gc_paused
-from .plan import Plan
+from .step_plan import Plan
 from .simulate import lower_bound_ms, simulate
 
 OURS_TARGET = 1.05

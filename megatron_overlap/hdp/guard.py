@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from .cost import SquareWorkload
 from .gcpause import gc_paused
-from .plan import Plan
+from .step_plan import Plan
 from .simulate import simulate
 
 TOLERANCE = 0.01

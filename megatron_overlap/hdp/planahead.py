@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
-from .plan import Plan
+from .step_plan import Plan
 from .samples import as_samples
 
 HELPER_NICE = 10

@@ -90,7 +90,7 @@ from ..comm.agree import group_device
 from ..errors import OverlapConfigError
 from .exchange import exchange_rows, gather_lengths
 from .layout import RowLayout, idle_layout, row_layout
-from .plan import Plan
+from .step_plan import Plan
 from .planahead import HdpDataIterator, Planner  # noqa: F401 (HdpDataIterator: the loop's view, re-exported)
 from .samples import MASK_DTYPE, as_samples
 from .scheduler import MODES

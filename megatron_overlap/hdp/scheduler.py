@@ -6,7 +6,7 @@ Input: the sequence lengths of the full batch, the ranks R, the per-rank capacit
 (``--overlap-hdp-max-tokens-per-rank``: rows one rank holds in a micro-batch, zigzag padding included;
 the TP padding of ``layout.row_layout`` comes on top) and the
 cost model (``cost.HdpCostModel``; every scheduler is scored by the same one). Output: a
-``plan.Plan``, per rank the ordered micro-batches. Pure Python, no communication, deterministic:
+``step_plan.Plan``, per rank the ordered micro-batches. Pure Python, no communication, deterministic:
 every rank computes the same plan from the same lengths (ties are broken by length, then by
 sequence id, then by rank id; no hashing, no clock, no randomness).
 
@@ -94,7 +94,7 @@ from .cost import HdpCostModel
 from .gcpause import gc_paused
 from .locality import check_home, home_first, relabel_rings
 from .packing import pack_first_fit, pack_next_fit, split_to
-from .plan import Plan
+from .step_plan import Plan
 from .shard import Shard, ranks_needed, rows_held
 from .simulate import options_many, sequence_options
 

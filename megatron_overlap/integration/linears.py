@@ -16,7 +16,7 @@ from ..config import ModelContext
 from ..tp.checks import check_tp_model
 from ..tp.linear import ColumnParallelSP, DeferredWgradLinear, RowParallelSP, TPComm, WgradOptions
 from ..tp.linear_ar import ColumnParallelAR, RowParallelAR, ServedColumn
-from ..tp.plan import AR_KINDS, TPPlanner, tokens_per_row
+from ..tp.linear_plan import AR_KINDS, TPPlanner, tokens_per_row
 from . import compat, sites
 
 _LINEAR_FN = "linear_with_grad_accumulation_and_async_allreduce"
@@ -47,7 +47,7 @@ def resolve_auto(tp, args, notice):
     (``p2p``, or ``symm-mem`` where it runs). Sub-batches ``auto`` adds each candidate cut into 2
     and 3 (with a concrete mode, only the count is chosen); without the cost model's answer the
     blocks run whole (1), said in a notice: the cut changes the weight gradients' last bits."""
-    from ..tp.plan import EXPLICIT_SHAPE, resolve_backend
+    from ..tp.linear_plan import EXPLICIT_SHAPE, resolve_backend
     from ..tune.auto import predicted_choice
 
     sub = tp.sub_batches

@@ -68,10 +68,10 @@ def fitted_hardware(cfg, cal: Calibration):
 
 def pick(cfg, cal: Calibration) -> dict:
     """``{"sub_batches": N or None (stock), "predicted_ms": {label: ms}, "why": text}``."""
-    from ..tune.planner import make_plan
+    from ..tune.strategy_ranking import make_plan
     from ..tune.strategies import Strategy
 
-    from ..tune.planner import UnbuildableError
+    from ..tune.strategy_ranking import UnbuildableError
 
     shape = dict(chunks=cfg.chunks // cfg.tp, rs=cfg.rs)
     allowed = [Strategy("megatron")] + [Strategy("p2p", sub_batches=n, **shape) for n in SUB_BATCH_CANDIDATES]

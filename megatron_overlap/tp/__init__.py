@@ -4,7 +4,7 @@
     ag_gemm.py       all-gather -> GEMM as a chunked ring, beside its plain-PyTorch reference
     gemm_rs.py       GEMM -> reduce-scatter (ring or all-to-all), beside its reference
     wgrad.py         weight gradients with Megatron's ``main_grad`` semantics
-    plan.py          ``TPPlan`` (plain data) and ``TPPlanner`` (chunk rule, ``auto``, autotune, plan files)
+    linear_plan.py   ``TPPlan`` (plain data) and ``TPPlanner`` (chunk rule, ``auto``, autotune, plan files)
     autotune.py      measured decompositions, plan files
     checks.py        model settings the overlapped linears cannot honour
     backends/        the two primitives per backend: p2p, symm-mem, fused

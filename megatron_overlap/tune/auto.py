@@ -37,7 +37,7 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
     if spec is None or any(getattr(args, n, None) is None for n in needed):
         return None
     from .hardware import get_hardware
-    from .planner import candidates as plan_candidates, make_plan
+    from .strategy_ranking import candidates as plan_candidates, make_plan
     from .strategies import Strategy
 
     model, run = _model_and_run(args)
@@ -50,7 +50,7 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
     else:
         allowed = [s for s in plan_candidates(run) if s.sub_batches in counts and not s.allreduce_fusion and (
             s.name == "megatron" or s.name == "p2p" or (s.name == "symm-mem" and symm_mem_usable))]
-    from .planner import UnbuildableError
+    from .strategy_ranking import UnbuildableError
 
     try:
         plan = make_plan(model, run, get_hardware(spec), allowed)

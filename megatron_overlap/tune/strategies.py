@@ -113,7 +113,7 @@ class Strategy:
 
 
 def default_chunks_per_rank(rows_per_rank: int, batch: int = 1) -> int:
-    """The plugin's rule (``tp.plan.chunks_per_rank`` with ``--overlap-tp-chunks 0``)."""
+    """The plugin's rule (``tp.linear_plan.chunks_per_rank`` with ``--overlap-tp-chunks 0``)."""
     return max(1, min(5, rows_per_rank * batch // 256 + 1))
 
 
@@ -166,7 +166,7 @@ class Ctx:
 
     def ar_pieces(self) -> list[int]:
         """Token counts of the row pieces of the whole sequence the all-reduce path cuts a GEMM
-        into (``tp.plan.TPPlanner._make_ar``: R times the chunks per rank, at most one per row)."""
+        into (``tp.linear_plan.TPPlanner._make_ar``: R times the chunks per rank, at most one per row)."""
         s, rows = self.strategy, self.rows * self.tp
         chunks = min(rows, (s.chunks or default_chunks_per_rank(self.rows, self.batch)) * self.tp)
         return [r * self.batch for r in piece_rows(rows, chunks, taper=s.chunks == 0)]
