@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 from . import rules
 from .args import flag_for
-from .context import MEGATRON_PP_FLAGS, ModelContext  # noqa: F401  (re-exported: its home was here)
+from .model_context import MEGATRON_PP_FLAGS, ModelContext  # noqa: F401  (re-exported: its home was here)
 from .cp import CP_MODES
 from .errors import OverlapConfigError
 from .pp import BUCKETS as PP_BUCKETS, MODES as PP_MODES

@@ -93,7 +93,7 @@ def test_megatron_settings_named_in_messages_are_flags_megatron_has():
     import re
 
     from megatron_overlap.args import flag_for
-    from megatron_overlap.context import MEGATRON_PP_FLAGS
+    from megatron_overlap.model_context import MEGATRON_PP_FLAGS
 
     data = Path(__file__).parent / "data"
     real = {line for line in (data / "megatron_lm_parser_flags.txt").read_text().split() if line.startswith("--")}

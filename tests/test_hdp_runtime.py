@@ -259,7 +259,7 @@ def test_a_recomputed_forward_runs_in_the_ring_of_its_forward(monkeypatch):
     import megatron_overlap
     from megatron.core.tensor_parallel import random as tp_random
 
-    from megatron_overlap.cp import context
+    from megatron_overlap.cp import ring_context
 
     # the CUDA RNG states Megatron's checkpoints save and restore: none on this CPU
     monkeypatch.setattr(tp_random, "_get_all_rng_states", lambda: ())
@@ -269,11 +269,11 @@ def test_a_recomputed_forward_runs_in_the_ring_of_its_forward(monkeypatch):
         seen = []
 
         def layer(x):
-            seen.append(context.current())
+            seen.append(ring_context.current())
             return x * 2
 
         x = torch.ones(3, requires_grad=True)
-        with context.ring(None, (0,)):  # an HDP micro-batch's forward
+        with ring_context.ring(None, (0,)):  # an HDP micro-batch's forward
             y = tp_random.checkpoint(layer, False, x)
             kept = tp_random.CheckpointWithoutOutput(fp8=None)  # as Megatron passes config.fp8 when off
             kept.checkpoint(layer, x)
