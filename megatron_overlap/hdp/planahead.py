@@ -61,7 +61,7 @@ class Planner:
         if self.peer is None or self.scheduler != "hdp" or self.mode != "dp":
             return plan
         from .baselines import MegatronSchedulerError
-        from .both_models import for_both
+        from .bound_tradeoff import for_both
         from .cost import HdpCostModel
         from .guard import guarded
 

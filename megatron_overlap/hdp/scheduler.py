@@ -91,7 +91,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import OverlapConfigError
 from .cost import HdpCostModel
-from .gcpause import gc_paused
+from .collector_pause import gc_paused
 from .locality import check_home, home_first, relabel_rings
 from .packing import pack_first_fit, pack_next_fit, split_to
 from .step_plan import Plan
@@ -163,7 +163,7 @@ class _Ring:
 
 def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequence[int], R: int, C: int,
                  cost: HdpCostModel, spread: bool, cache: Optional[dict] = None):
-    """Step 1: rings, costliest first, each sized by ``sizes.spread_choice`` and placed where it ends
+    """Step 1: rings, costliest first, each sized by ``ring_sizes.spread_choice`` and placed where it ends
     earliest. ``ring_ids``: the sequences longer than C, and with ``spread`` the short ones whose
     work alone exceeds a balanced rank's (one that stays on one rank goes back to the short
     sequences). Returns (rings, clock, gaps, ids back to short) with gaps[(rank, ring index)] =
@@ -172,7 +172,7 @@ def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequen
     rings: List[_Ring] = []
     gaps: Dict[Tuple[int, int], float] = {}
     low = {i: ranks_needed(lens[i], C) if lens[i] > C else 1 for i in ring_ids}
-    from .sizes import spread_choice
+    from .ring_sizes import spread_choice
 
     cache = {} if cache is None else cache
     options = {}  # by length: the least busy time over the sizes it may take

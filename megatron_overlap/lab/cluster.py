@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..hdp.gcpause import collector_paused
+from ..hdp.collector_pause import collector_paused
 
 MODES = ("stock", "1f1b", "zb")
 ALL_MODES = MODES + ("1f1b-inflight", "zbv", "1f1b-ec", "zb-ec", "zbv-ec")  # K = 2p - 1; ZB-V; every-chunk: by name

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .cost import HdpCostModel
-from .scheduler import NODE_SLACK, local_ms  # sizes is imported by scheduler's functions, after it
+from .scheduler import NODE_SLACK, local_ms  # ring_sizes is imported by scheduler's functions, after it
 
 
 class RingSizes:

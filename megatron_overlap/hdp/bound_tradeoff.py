@@ -25,7 +25,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 from .cost import SquareWorkload
-from .gcpause import gc_paused
+from .collector_pause import gc_paused
 from .step_plan import Plan
 from .simulate import lower_bound_ms, simulate
 
