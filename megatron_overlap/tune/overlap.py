@@ -15,7 +15,7 @@ on SMs: with a share ``sigma`` of the SMs taken by the communication kernels whi
 (the GEMM runs at 1 - sigma of its rate while the transfer lasts, at full rate after it).
 ``sigma`` is 0 for copy-engine and symmetric-memory transfers, ~ CTAs / SMs for NCCL.
 
-The simulator (``simulate``) schedules the same pieces as tasks; these forms are its
+The simulator (``strategy_sim``) schedules the same pieces as tasks; these forms are its
 one-op summary, used by the tests and by quick estimates.
 """
 
