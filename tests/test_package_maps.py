@@ -68,3 +68,31 @@ def test_ring_context_points_at_what_exists():
         assert hasattr(importlib.import_module(f"megatron_overlap.{module}"), name), pointer
     for name in re.findall(r":func:`(\w+)`", ring_context.__doc__):
         assert hasattr(ring_context, name), name
+
+
+# File names more than one module of the package holds, each with why a reader need not guess
+# which is meant: an area and its seam into Megatron (integration/), an op and its kernel
+# (kernels/), a transport and the backend over it, a command's driver (cli/) and rank side (lab/).
+SHARED_NAMES = {
+    "checks.py": "each area's model checks (cp, hdp, pp, tp)",
+    "attention.py": "cp's attention and its seam into Megatron (integration/)",
+    "allreduce_fusion.py": "tp's fused op and its seam into Megatron's layer (integration/)",
+    "sub_batches.py": "the cut in Megatron's layer (integration/) and its cost model (tune/)",
+    "baselines.py": "HDP's baseline plans (hdp/) and megatron-core's scheduler run as one (integration/)",
+    "ag_gemm.py": "tp's ring and its Triton kernel (kernels/)",
+    "gemm_rs.py": "tp's ring and its Triton kernel (kernels/)",
+    "p2p.py": "comm's P2P exchange and the TP backend over it (tp/backends/)",
+    "layout.py": "cp's zigzag layout and HDP's per-micro-batch row layout",
+    "demo.py": "the demo's driver (cli/) and its rank side (lab/)",
+}
+NEVER_SHARED = ("simulate.py", "plan.py", "planner.py", "context.py", "check.py")
+
+
+def test_no_two_modules_share_a_name_a_reader_must_guess():
+    by_name: dict = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
+    shared = {name: sorted(paths) for name, paths in by_name.items() if len(paths) > 1}
+    assert set(shared) <= set(SHARED_NAMES), {n: p for n, p in shared.items() if n not in SHARED_NAMES}
+    assert not set(shared) & set(NEVER_SHARED)
