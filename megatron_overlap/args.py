@@ -187,7 +187,7 @@ _OPTIONS = (  # (config field, argparse keywords); the flags: flag_names.FIELDS
 _FLAGS = tuple((FIELDS[field], field, keywords) for field, keywords in _OPTIONS)  # (flag, config field, keywords)
 FLAGS = tuple(flag for flag, _field, _kw in _FLAGS)
 
-# Old spellings (issue 34's flag pass), each still accepted and warning once: old -> new
+# Old spellings (renamed to one prefix and one spelling per concept), each still accepted and warning once: old -> new
 # (None: ignored, the setting is derived). Pinned by tests/test_config.py.
 DEPRECATED = {
     "--overlap-autotune": "--overlap-tp-autotune",

@@ -25,7 +25,7 @@ and not run, and with every transfer free):
     peak act GB     micro-batches held at the peak (counted as the blocks run) x the cost
                     model's activations of one micro-batch on a stage (Korthikanti, flash)
     CPU             the busiest rank's CPU time per step, and its share of the step
-    predicted       pp/simulate.py on the same F/B/W, link and the run's own DDP buckets
+    predicted       pp/schedule_sim.py on the same F/B/W, link and the run's own DDP buckets
     floor           pp/optimal.py with the DP sync, at 1.05x 1F1B's activation memory (CP-SAT)
 """
 
@@ -159,7 +159,7 @@ def predict(cfg: ClusterConfig, described: list) -> dict:
     the ranks built them."""
     from ..lab.cluster import modelled, placement
     from ..pp import build
-    from ..pp.simulate import LinkCost, simulate
+    from ..pp.schedule_sim import LinkCost, simulate
 
     costs, _run, hw = modelled(cfg)
     per_mode = {mode: stage_syncs(cfg, costs, described, hw, mode) for mode in cfg.modes}
@@ -184,7 +184,7 @@ def predict(cfg: ClusterConfig, described: list) -> dict:
 
 def stage_syncs(cfg: ClusterConfig, costs, described: list, hw, mode: str = "") -> list:
     """Each stage's ``DPSync`` from the buckets its ranks built for ``mode`` (modelled elements: / scale)."""
-    from ..pp.simulate import DPSync
+    from ..pp.schedule_sim import DPSync
     from ..tune.virtual import bucket_sync
 
     if cfg.dp <= 1:

@@ -97,7 +97,7 @@ def _add_other_commands(sub) -> None:
 
     add_floor_args(sub.add_parser("floor", help=texts["floor"]))
 
-    from .plan import add_plan_args
+    from .plan_command import add_plan_args
 
     add_plan_args(sub.add_parser("plan", help=texts["plan"]))
 
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
             return 2
         return 0
     if args.command == "check":
-        from .check import main as check_main
+        from .env_report import main as check_main
 
         return check_main(args.json)
     if args.command == "floor":
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
 
         return floor_main(args)
     if args.command == "plan":
-        from .plan import plan_main
+        from .plan_command import plan_main
 
         return plan_main(args)
     if args.command == "report":

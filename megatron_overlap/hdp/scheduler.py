@@ -91,13 +91,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import OverlapConfigError
 from .cost import HdpCostModel, local_ms, ring_ms  # noqa: F401  (ring_ms: re-exported, the tests read it here)
-from .gcpause import gc_paused
+from .collector_pause import gc_paused
 from .locality import check_home, home_first, relabel_rings
 from .packing import pack_first_fit, pack_next_fit, split_to
-from .plan import Plan
+from .step_plan import Plan
 from .shard import Shard, ranks_needed
 from .simulate import options_many, sequence_options
-from .sizes import spread_choice
+from .ring_sizes import spread_choice
 
 MODES = ("dp", "pp")
 CAPACITY_FIELD = "hdp.max_tokens"  # the config field errors about C name

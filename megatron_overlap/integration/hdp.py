@@ -94,12 +94,12 @@ def patch_recompute(inst) -> None:
     """Megatron's activation checkpoints keep the HDP ring (patch table in ``install.py``): the
     function Megatron saves to run again in the backward (``CheckpointFunction``: full
     recompute and selective ``core_attn``; ``CheckpointWithoutOutput``: the other selective
-    modules) is bound to the ring in force when the checkpoint was made (``cp.context.keep``),
+    modules) is bound to the ring in force when the checkpoint was made (``cp.ring_context.keep``),
     so the recomputed attention runs over the same ranks, documents and positions as the
     forward, without reading the ambient context, which the backward no longer has."""
     from megatron.core.tensor_parallel import random as tp_random
 
-    from ..cp import context as ring_context
+    from ..cp import ring_context
 
     function = tp_random.CheckpointFunction
     forward = function.__dict__["forward"]

@@ -95,7 +95,7 @@ class Installation:
         self.requested = requested or config  # as asked (re-installs with the same flags are no-ops)
         self.context = context
         self.ring_options = ring_options or RingOptions()
-        self.tp = None  # tp.plan.TPPlanner while TP overlap runs
+        self.tp = None  # tp.linear_plan.TPPlanner while TP overlap runs
         self.tp_overlap = False  # whether the linears run TP overlap
         self.keep_single_bucket = False  # Megatron-LM's --overlap-param-gather-with-optimizer-step (ddp.py)
         self.pp_observer = None  # (stage, action, start, end) after each pipeline action (benchmarks)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..config import ModelContext
 from ..tp.checks import check_tp_model
 from ..tp.linear import TPComm
-from ..tp.plan import AR_KINDS, tokens_per_row
+from ..tp.linear_plan import AR_KINDS, tokens_per_row
 
 
 def linear_comm(inst, kind: str, group, x, weight, shard_rows: int, sub=None, sequence_parallel=None) -> TPComm:

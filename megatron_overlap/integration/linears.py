@@ -14,7 +14,7 @@ import functools
 from ..comm import waits
 from ..tp.linear import ColumnParallelSP, DeferredWgradLinear, RowParallelSP, WgradOptions
 from ..tp.linear_ar import ColumnParallelAR, RowParallelAR, ServedColumn
-from ..tp.plan import TPPlanner
+from ..tp.linear_plan import TPPlanner
 from . import compat, sites
 from .linear_comm import linear_comm
 
@@ -47,7 +47,7 @@ def resolve_auto(tp, args, notice):
     and 3 (with a concrete mode, only the count is chosen); without the cost model's answer the
     blocks run whole (1), said in a notice: the cut changes the weight gradients' last bits."""
     from ..tp.backends import resolve_backend
-    from ..tp.plan import EXPLICIT_SHAPE
+    from ..tp.linear_plan import EXPLICIT_SHAPE
     from ..tune.auto import predicted_choice
 
     sub = tp.sub_batches

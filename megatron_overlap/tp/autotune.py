@@ -1,5 +1,5 @@
 """Measured (``--overlap-tp-autotune``) and loaded (``--overlap-tp-plan-file FILE``) decompositions of the
-overlapped linears; ``plan.TPPlanner`` asks here before it falls back to the built-in rule.
+overlapped linears; ``linear_plan.TPPlanner`` asks here before it falls back to the built-in rule.
 
 A choice is (chunks per rank, tapered or uniform, reduce-scatter algorithm). The autotuner
 measures every candidate on the real TP group the first time a linear shape is seen (forward

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..pp import build
-from ..pp.simulate import StageTimes, simulate as simulate_pipeline
+from ..pp.schedule_sim import StageTimes, simulate as simulate_pipeline
 from .comm import all_gather_ms
 from .gemm import gemm_ms
 from .hardware import get_hardware
 from .models import RunSpec, get_model
 from .pipeline import stage_costs, zb_gain
-from .simulate import simulate
+from .strategy_sim import simulate
 from .strategies import Strategy
 
 COMMAND = "megatron-overlap plan --published"
@@ -284,7 +284,7 @@ def _virtual_rows() -> list[Row]:
             "llama3-70b, h100-sxm, TP=8 x PP=4, v=2, m=16, free link; our schedule data of Megatron's order",
             _interleaved_bubble, 3 / 32),
         Row("ZB-V", "zero bubble at 1F1B's activation memory when F ~ B ~ W", source,
-            "simulated (pp/simulate.py), our ZB-V order", _zbv_bubble),
+            "simulated (pp/schedule_sim.py), our ZB-V order", _zbv_bubble),
         Row("ZB-V", "twice the stage-to-stage traffic", source, "counted in the schedules (pp/chunks.py)",
             _zbv_traffic, 2.0),
     ]
@@ -295,7 +295,7 @@ def _pipeline_rows() -> list[Row]:
     return [
         Row("Zero Bubble PP", "ZB-H1 bubble about 1/3 of 1F1B at the same memory",
             "arXiv 2401.10241 (Qi et al., ICLR 2024)",
-            "simulated (tune/pipeline.py over pp/simulate.py): ZB-H1 vs our 1F1B with the same async P2P; the "
+            "simulated (tune/pipeline.py over pp/schedule_sim.py): ZB-H1 vs our 1F1B with the same async P2P; the "
             "paper's models and GPUs are not in anchors.md, so varied: llama2-7b / llama2-13b, a100-sxm / h100-sxm, "
             "TP=1 x PP=8, seq 4096, micro-batches {8, 16, 32}",
             _zb(_configs("", ["llama2-7b", "llama2-13b"], ["a100-sxm", "h100-sxm"], zb_run, micro_batches=(8, 16, 32)),

@@ -1,4 +1,4 @@
-"""Virtual pipelines in the planner (issue 23): Megatron's interleaved 1F1B (v = 2, 4), our
+"""Virtual pipelines in the planner: Megatron's interleaved 1F1B (v = 2, 4), our
 interleaved zero bubble and ZB-V, simulated on the same per-stage costs as the non-interleaved
 schedules (``tune/pipeline.py``), each with its peak activation memory per stage.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 from ..config import PPConfig
 from ..pp import build
 from ..pp.buckets import buckets as cut_buckets, stage_bucket_size
-from ..pp.simulate import DPSync, LinkCost, simulate as simulate_pipeline
+from ..pp.schedule_sim import DPSync, LinkCost, simulate as simulate_pipeline
 from ..pp.work import stage_params
 from .comm import all_gather_cost, all_reduce_cost, reduce_scatter_cost
 from .pipeline import DPOptions, ScheduleResult, stage_costs

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .base import TPBackend, refuse
 from .p2p import P2PBackend
-from ..plan import EXPLICIT_SHAPE
+from ..linear_plan import EXPLICIT_SHAPE
 
 
 def resolve_backend(tp) -> str:

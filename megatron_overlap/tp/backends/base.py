@@ -72,7 +72,7 @@ class TPBackend(abc.ABC):
         """``AR(x @ weight_t)`` as a pending object whose ``finish()`` returns it whole. ``plan``'s
         pieces cut ``x``'s rows (the whole sequence). Default: this backend's GEMM-RS on the
         rows' R shards (the plan's chunk count over R per shard), then an all-gather."""
-        from ..plan import TPPlan
+        from ..linear_plan import TPPlan
         from ...comm.rings import split_pieces
 
         size = dist.get_world_size(group)
