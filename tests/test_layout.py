@@ -271,6 +271,19 @@ def test_every_import_goes_down_or_along_a_floor():
         "megatron_overlap") < _floor("megatron_overlap.lab.tiny_gpt") < _floor("megatron_overlap.cli.main")
 
 
+def test_the_architecture_page_lists_the_floors_the_test_checks():
+    """docs/architecture.md's table of floors: the same floors in the same order, each naming the
+    modules and folders FLOORS puts on it."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
+    assert [row.split("|")[1].strip() for row in rows] == [f"{i}. {name}" for i, (name, _) in enumerate(FLOORS, 1)]
+    for row, (_name, prefixes) in zip(rows, FLOORS):
+        listed = row.split("|")[2]
+        for prefix in prefixes:
+            shown = {"": "__init__.py", "__main__": "__main__.py"}.get(prefix, prefix.replace(".", "/"))
+            assert f"`{shown}" in listed or f"/{shown}" in listed, (prefix, row)
+
+
 def _reachable(graph: dict, start: str) -> set:
     seen, todo = set(), [start]
     while todo:
