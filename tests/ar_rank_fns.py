@@ -275,7 +275,7 @@ def traced_waits_no_sp(tp: int) -> dict:
 
     from megatron_overlap.integration.install import find_installation
     from megatron_overlap.lab import tiny_gpt
-    from megatron_overlap.trace.tracer import WAIT
+    from megatron_overlap.trace.markers import WAIT
 
     tiny_gpt.init_parallel(tp)
     config = tiny_gpt.transformer_config(tiny_gpt.TinyGPT(), tp, sequence_parallel=False, add_bias_linear=True,

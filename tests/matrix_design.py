@@ -77,6 +77,7 @@ class Feature:
     resume_vs_stock: str = ""  # why the resumed run is not compared with stock's resume (empty: it is)
 
 
+_TP2_NO_SP = ("--tensor-model-parallel-size", "2")  # TP without --sequence-parallel: the all-reduce path
 _PP = ("--pipeline-model-parallel-size", "2", "--global-batch-size", "8")
 _VPP = ("--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
         "--num-layers-per-virtual-pipeline-stage", "1", "--lab-init-by-layer")
@@ -97,6 +98,9 @@ FEATURES: Tuple[Feature, ...] = (
             why="the weight and key/value gradients are summed per sub-batch (a few ulp from one GEMM's sum; "
                 "measured at most 2.3e-5 in bf16, 2026-12-04)",
             calls=("tp.sub_batches",)),
+    Feature("tp-no-sp", 4, _TP2_NO_SP, ("--overlap-tp", "p2p"), 4, _TP2_NO_SP, calls=("tp.column_ar", "tp.row_ar")),
+    Feature("tp-no-sp-fusion", 4, _TP2_NO_SP, ("--overlap-tp", "p2p", "--overlap-tp-allreduce-fusion"), 4,
+            _TP2_NO_SP, calls=("tp.column_ar", "tp.row_ar", "tp.fusion")),
     Feature("cp-ring", 4, ("--context-parallel-size", "2"), ("--overlap-cp", "ring"), 2, (),
             rel={"fp32": 1e-6, "bf16": 2e-4}, why=_CP_MERGE, resume_vs_stock=_FEWER_RANKS, calls=("cp.ring",)),
     Feature("cp-a2a", 4, ("--context-parallel-size", "2"), ("--overlap-cp", "a2a"), 2, (),

@@ -97,9 +97,11 @@ def reference_symm_mem():
     the real ones."""
     from megatron_overlap.tp.backends import symm_mem
 
+    from .symm_mem_reference import ReferenceSymmMemOps
+
     saved = symm_mem.availability, symm_mem.TorchSymmMemOps
     symm_mem.availability = lambda *a, **k: (True, "reference ops (test)")
-    symm_mem.TorchSymmMemOps = symm_mem.ReferenceSymmMemOps
+    symm_mem.TorchSymmMemOps = ReferenceSymmMemOps
     try:
         yield
     finally:

@@ -161,7 +161,7 @@ def test_defaults_and_round_trip():
     tp = config.tp
     assert (tp.mode, tp.chunks, tp.rs, tp.bidirectional) == ("p2p", 16, "a2a", True)
     assert OverlapConfig.from_args(parse(*config.as_flags())) == config
-    from megatron_overlap.tp.linear_plan import resolve_backend
+    from megatron_overlap.tp.backends import resolve_backend
 
     assert resolve_backend(OverlapConfig.from_args(parse("--overlap-tp", "auto")).tp) == "p2p"  # no CUDA here
     assert TPConfig(mode="fused").rs_algo == "a2a" and TPConfig(mode="p2p").rs_algo == "ring"

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from megatron_overlap.tune import comm, gemm, overlap
-from megatron_overlap.tune.engine import Graph, schedule
+from megatron_overlap.tune import comm, gemm
+from megatron_overlap.tune.engine import Graph, contended_gemm_ms, schedule
 from megatron_overlap.tune.hardware import HARDWARE, Link, cpu_emulated_spec, with_link
 from megatron_overlap.tune.layer_ops import mlp_ops
 from megatron_overlap.tune.models import ModelSpec, RunSpec
@@ -114,10 +114,7 @@ def test_engine_is_monotone_in_durations(seed):
 
 
 def test_zero_communication_changes_nothing():
-    assert overlap.overlapped_op_ms(12.0, 0.0, chunks=1) == 12.0
-    assert overlap.contended_gemm_ms(12.0, 0.0, 0.2) == 12.0
-    assert overlap.pipelined_ms(12.0, 0.0, 4) == 12.0
-    assert overlap.fused_op_ms(12.0, 0.0, 0.0) == 12.0
+    assert contended_gemm_ms(12.0, 0.0, 0.2) == 12.0
     # a link that costs nothing and GEMMs at one efficiency: the plugin's schedule is stock's
     hw = cpu_emulated_spec(80.0, 1e9, link_bandwidth_GBps=1e12, link_latency_us=0.0)
     run = RunSpec(tp=2, seq=2048, phase="train")
@@ -137,6 +134,12 @@ def test_tp1_has_nothing_to_overlap():
         assert not simulate(SMALL, run, hw, Strategy(name)).applicable
 
 
+def _pipelined_ms(gemm_ms: float, comm_ms: float, chunks: int) -> float:
+    """The closed form of a c-stage pipeline of a transfer and a GEMM (each cut in c equal
+    chunks): the longer of the two plus one chunk of the shorter (fill or drain)."""
+    return max(gemm_ms, comm_ms) + min(gemm_ms, comm_ms) / chunks
+
+
 @pytest.mark.parametrize("gemm_ms,comm_ms", [(10.0, 4.0), (4.0, 10.0), (7.0, 7.0)])
 @pytest.mark.parametrize("chunks", [1, 2, 5])
 def test_scheduler_matches_the_pipeline_closed_form(gemm_ms, comm_ms, chunks):
@@ -144,8 +147,8 @@ def test_scheduler_matches_the_pipeline_closed_form(gemm_ms, comm_ms, chunks):
     sends = [g.add("send", "link", comm_ms / chunks) for _ in range(chunks)]
     for s in sends:
         g.compute("gemm", gemm_ms / chunks, [s])
-    assert schedule(g).makespan_ms == pytest.approx(overlap.pipelined_ms(gemm_ms, comm_ms, chunks))
-    assert schedule(g).exposed_ms() == pytest.approx(overlap.pipelined_ms(gemm_ms, comm_ms, chunks) - gemm_ms)
+    assert schedule(g).makespan_ms == pytest.approx(_pipelined_ms(gemm_ms, comm_ms, chunks))
+    assert schedule(g).exposed_ms() == pytest.approx(_pipelined_ms(gemm_ms, comm_ms, chunks) - gemm_ms)
 
 
 def test_sm_contention_slows_only_overlapped_gemms():
@@ -153,7 +156,7 @@ def test_sm_contention_slows_only_overlapped_gemms():
     g.add("nccl", "link", 10.0, sm_comm=True)
     g.compute("gemm", 20.0, contended=True)
     sched = schedule(g, sm_fraction=0.25)
-    assert sched.makespan_ms == pytest.approx(overlap.contended_gemm_ms(20.0, 10.0, 0.25))  # 22.5
+    assert sched.makespan_ms == pytest.approx(contended_gemm_ms(20.0, 10.0, 0.25))  # 22.5
     assert schedule(g, sm_fraction=0.0).makespan_ms == 20.0
     copy_engine = Graph()
     copy_engine.add("copy", "link", 10.0, sm_comm=False)
@@ -163,7 +166,7 @@ def test_sm_contention_slows_only_overlapped_gemms():
 
 def test_contention_closed_form_bounds():
     for g_ms, c_ms, s in ((10, 5, 0.1), (10, 50, 0.1), (10, 0, 0.5)):
-        t = overlap.contended_gemm_ms(g_ms, c_ms, s)
+        t = contended_gemm_ms(g_ms, c_ms, s)
         assert g_ms <= t <= g_ms / (1 - s) + 1e-12
 
 

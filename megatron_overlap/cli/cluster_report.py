@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from ..lab.cluster import ClusterConfig
-from .bench_cluster import FLOOR_MEMORY, NAMES
 from .cluster_virtual import VIRTUAL_NAMES
+
+NAMES = {"stock": "stock Megatron 1F1B", "1f1b": "1f1b (async P2P)", "zb": "zb (ZB-H1, drained)",
+         "1f1b-inflight": "1f1b, K = 2p-1", "zbv": "zbv (ZB-V)"}
+FLOOR_MEMORY = 1.05  # the floor's bound on activation memory, x stock's (1F1B, or interleaved)
 
 
 def _names(cfg) -> dict:

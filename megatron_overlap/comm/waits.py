@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..trace.tracer import WAIT
+from ..trace.markers import WAIT
 
 @dataclass(frozen=True)
 class Where:

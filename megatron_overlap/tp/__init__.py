@@ -23,7 +23,6 @@ from ..comm.tags import STREAM_SIZE
 from ..errors import OverlapConfigError
 
 TP_MODES = ("off", "p2p", "symm-mem", "fused", "auto")
-BACKENDS = ("p2p", "symm-mem", "fused")  # what "auto" resolves to, once, at install
 RS_ALGOS = ("ring", "a2a")
 
 

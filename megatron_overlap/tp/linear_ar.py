@@ -40,13 +40,7 @@ def _column_backward(ctx, grad_output: torch.Tensor):
     comm, wgrad = ctx.comm, ctx.wgrad
     if wgrad.accumulation_fusion:
         weight.main_grad = ctx.main_grad
-    wgrad_compute = True
-    buffer = wgrad.grad_output_buffer
-    if buffer is not None:
-        limit = wgrad.deferral_limit
-        if limit == 0 or len(buffer) < limit:
-            buffer.append(grad_output)
-            wgrad_compute = False
+    wgrad_compute = not wgrad.defers(grad_output)
     # dgrad = AR(dy @ w), piece by piece; the held wgrads and this wgrad run while the last travel
     mark = comm.wgrad.mark() if comm.wgrad is not None else None
     pending = comm.backend.matmul_all_reduce(grad_output, weight, comm.group, comm.plan)
