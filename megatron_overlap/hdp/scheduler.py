@@ -6,7 +6,7 @@ Input: the sequence lengths of the full batch, the ranks R, the per-rank capacit
 (``--overlap-hdp-max-tokens-per-rank``: rows one rank holds in a micro-batch, zigzag padding included;
 the TP padding of ``layout.row_layout`` comes on top) and the
 cost model (``cost.HdpCostModel``; every scheduler is scored by the same one). Output: a
-``step_plan.Plan``, per rank the ordered micro-batches. Pure Python, no communication, deterministic:
+``plan.Plan``, per rank the ordered micro-batches. Pure Python, no communication, deterministic:
 every rank computes the same plan from the same lengths (ties are broken by length, then by
 sequence id, then by rank id; no hashing, no clock, no randomness).
 
@@ -149,7 +149,7 @@ class _Ring:
 
 def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequence[int], R: int, C: int,
                  cost: HdpCostModel, spread: bool, cache: Optional[dict] = None):
-    """Step 1: rings, costliest first, each sized by ``ring_sizes.spread_choice`` and placed where it ends
+    """Step 1: rings, costliest first, each sized by ``sizes.spread_choice`` and placed where it ends
     earliest. ``ring_ids``: the sequences longer than C, and with ``spread`` the short ones whose
     work alone exceeds a balanced rank's (one that stays on one rank goes back to the short
     sequences). Returns (rings, clock, gaps, ids back to short) with gaps[(rank, ring index)] =

@@ -2,7 +2,7 @@
 
     install.py     install() / uninstall(), the patch table, the Installation handle
     linears.py     Column/Row parallel linears -> tp
-    linear_comm.py one patched linear's TP plan and backend, checked when its shape is first seen
+    linear_comm.py one linear's TP communication (group, plan, backend, prefetch, wgrad)
     attention.py   DotProductAttention -> cp
     hdp.py         data iterator, forward_step, RoPE positions, model checks -> hdp
     training.py    Megatron-LM's train_step (--overlap-trace)
@@ -12,8 +12,8 @@
     sub_batches.py        --overlap-tp-sub-batches in Megatron's transformer layer -> tp
     norms.py       Megatron's torch norm under sequence parallelism
     hdp_loop.py    Megatron-LM's training loop -> hdp (--overlap-hdp through pretrain_gpt.py)
+    pp_executor.py the pipeline executors' core: forward_backward, groups, P2P posting, waits, timeouts
     schedules.py   Megatron's pipeline schedule -> pp (the executor)
-    pp_executor.py the executors' core: groups, P2P posting, waits and their errors, the DP sync
     vschedules.py  Megatron's interleaved schedule (virtual pipelines) -> pp with model chunks
     vplacement.py  ZB-V's layer placement (--overlap-pp zbv)
     pp_megatron.py what the pipeline executors need of Megatron's state
