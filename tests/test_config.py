@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import megatron_overlap
 from megatron_overlap import OverlapConfig, OverlapConfigError, add_overlap_args, overlap_parser
@@ -161,9 +162,12 @@ def test_defaults_and_round_trip():
     tp = config.tp
     assert (tp.mode, tp.chunks, tp.rs, tp.bidirectional) == ("p2p", 16, "a2a", True)
     assert OverlapConfig.from_args(parse(*config.as_flags())) == config
-    from megatron_overlap.tp.backends import resolve_backend
+    from megatron_overlap.tp.backends import resolve_backend, symm_mem
 
-    assert resolve_backend(OverlapConfig.from_args(parse("--overlap-tp", "auto")).tp) == "p2p"  # no CUDA here
+    # symm-mem where PyTorch's symmetric memory runs (never without CUDA), else p2p
+    auto = resolve_backend(OverlapConfig.from_args(parse("--overlap-tp", "auto")).tp)
+    assert auto == ("symm-mem" if symm_mem.availability()[0] else "p2p")
+    assert auto == "p2p" or torch.cuda.is_available()
     assert TPConfig(mode="fused").rs_algo == "a2a" and TPConfig(mode="p2p").rs_algo == "ring"
     with pytest.raises(Exception):
         config.tp = TPConfig()  # frozen

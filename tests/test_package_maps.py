@@ -96,3 +96,35 @@ def test_no_two_modules_share_a_name_a_reader_must_guess():
     shared = {name: sorted(paths) for name, paths in by_name.items() if len(paths) > 1}
     assert set(shared) <= set(SHARED_NAMES), {n: p for n, p in shared.items() if n not in SHARED_NAMES}
     assert not set(shared) & set(NEVER_SHARED)
+
+
+def _patched_names(tree) -> list:
+    """(line, attribute name) of each ``inst.set_attr(owner, name, value)`` in a module: ``name`` a
+    string, or a module-level constant holding one; a name bound elsewhere (a loop's) is skipped."""
+    constants = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                 for t in node.targets if isinstance(t, ast.Name)}
+    out = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "set_attr"
+                and len(node.args) >= 2):
+            arg = node.args[1]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                out.append((node.lineno, arg.value))
+            elif isinstance(arg, ast.Name) and arg.id in constants:
+                out.append((node.lineno, constants[arg.id]))
+    return out
+
+
+def test_the_patch_table_names_every_patched_attribute():
+    """install.py's table of what the plugin patches in Megatron names each attribute a patch
+    in ``integration/`` sets (``inst.set_attr``)."""
+    from megatron_overlap.integration import install
+
+    table = "\n".join(line for line in install.__doc__.splitlines() if line.startswith("|"))
+    named = set(re.findall(r"\w+", table))
+    found = [(path.name, line, name) for path in sorted((PACKAGE / "integration").glob("*.py"))
+             for line, name in _patched_names(ast.parse(path.read_text()))]
+    assert len(found) >= 20, found  # the walk sees the patches
+    missing = [f"integration/{file}:{line} patches {name}" for file, line, name in found if name not in named]
+    assert not missing, "\n".join(missing)

@@ -24,7 +24,7 @@ backend's collective while the next computes (``..gemm_ar``). ``fused`` does not
 (``ALL_REDUCE``): its GEMM-RS sends its slots only once the whole kernel has run, so an
 all-reduce built from it would hide nothing.
 
-``plan`` is a :class:`..plan.TPPlan` (pieces, reduce-scatter algorithm).
+``plan`` is a :class:`..linear_plan.TPPlan` (pieces, reduce-scatter algorithm).
 """
 
 from __future__ import annotations
