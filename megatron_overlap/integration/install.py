@@ -6,6 +6,7 @@
 | ``tensor_parallel.layers.RowParallelLinear.forward``            | ``linears.py`` (Row -> ``tp``: + SP ``linear.py``, without SP ``linear_ar.py``) | Megatron's RowParallelLinear takes a pluggable GEMM-RS / GEMM-AR |
 | ``transformer.dot_product_attention.DotProductAttention.__init__`` / ``.forward`` | ``attention.py`` (``--overlap-cp``, ``--overlap-hdp`` -> ``cp``) | Megatron's local attention supports CP |
 | ``distributed.param_and_grad_buffer._ParamAndGradBucketGroup.register_grad_ready`` | ``ddp.py`` (TP overlap: a parameter is ready once its held-back wgrad GEMM ran) | Megatron's DDP learns of wgrads computed after the backward hook |
+| ``tensor_parallel.mappings._ReduceScatterToSequenceParallelRegion.backward`` | ``embedding_grad.py`` (TP overlap: the embedding's grad all-gather travels while the held-back wgrads run) | Megatron's SP region runs caller work during its gather |
 | ``megatron.training.training.train_step``                       | ``training.py`` (``--overlap-trace``) | Megatron-LM's loop takes a profiler hook |
 | ``transformer.torch_norm.WrappedTorchNorm.__new__``            | ``norms.py`` (no apex: the torch norm under sequence parallelism, its params marked ``sequence_parallel``) | Megatron's torch norm accepts sequence parallelism |
 | ``megatron.training.training.get_forward_backward_func`` (``--overlap-hdp``)  | ``hdp_loop.py`` (each schedule call runs as an HDP step: the script's batches cut into documents, planned, its forward step in the ring context) | Megatron-LM's loop takes a pluggable data planner |

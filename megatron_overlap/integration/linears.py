@@ -127,6 +127,9 @@ def patch(inst) -> None:
         from . import sub_batches
 
         sub_batches.patch(inst)
+    from . import embedding_grad
+
+    embedding_grad.patch(inst)
     if inst.config.tp.allreduce_fusion:
         from . import allreduce_fusion
 

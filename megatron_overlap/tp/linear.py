@@ -14,10 +14,10 @@ Row (weight ``w [n, k]``, this rank's k = K / R input rows)
     wgrad     dw [n, k]    = AG(dy)^T @ x                          one GEMM after the gather
 
 The wgrad GEMMs stay whole, so they give the same bits as stock Megatron's. A Row linear's
-backward also starts, once its own ring has been issued, the re-gather of the input of the
-Column linear that ran just before it in forward (fc1 before fc2, qkv before proj): half of
-that gather then travels during the Row's wgrad and the ops between the two, the other half
-during the Column's dgrad, so neither backward has more to send than it has to compute.
+backward also starts, once its own ring is done, the re-gather of the input of the Column
+linear that ran just before it in forward (fc1 before fc2, qkv before proj): it travels during
+the Row's wgrad and the ops between the two (attention's whole backward between proj and qkv)
+instead of queueing with the Column's reduce-scatter (``GatherSlot``).
 """
 
 from __future__ import annotations
@@ -45,11 +45,14 @@ class GatherSlot:
     two async collectives: rows ``[0, s_early)`` of every rank, startable early (by the Row
     linear whose backward runs just before), and the rest, started by the Column backward.
 
-    Splitting balances the link: the Row backward carries the all-gather of its grad-output
-    and the early part, the Column backward its reduce-scatter and the rest; with the whole
-    gather on either side that side's link time would exceed its compute. (Measured, with the
-    whole gather started early by the Row backward, on the MLP block and on the tiny GPT, where
-    attention sits between qkv and proj: worse both times, BENCHMARKS.md.)
+    Without sub-batches the Row starts the whole gather once its own grad-output pieces have
+    arrived (after its dgrad ring, so they never queue behind it): on one egress port the same
+    bytes then sit ahead of the Column's reduce-scatter, only issued earlier, and where attention
+    sits between proj and qkv its backward (~95 ms of compute with an idle link on the demo's
+    tiny GPT) carries it whole. Traced on the demo (2026-12-05): the QKV backward's exposed wait
+    fell by about the rest's transfer time per layer (BENCHMARKS.md, the CPU demo). Sub-batches
+    keep the split: ``prefetch_fraction`` of the rows early (``start_early``), the rest with the
+    Column's reduce-scatter, or the whole at the first part (``sub_batch.gather_whole_early``).
     """
 
     def __init__(self, x_shard: torch.Tensor, group: dist.ProcessGroup, early_fraction: float):
@@ -277,7 +280,10 @@ class RowParallelSP(torch.autograd.Function):
         if comm.sub is not None and comm.sub[0].gather_whole_early and comm.sub[0].slot is not None:
             comm.sub[0].slot.start()  # whole, at the first part: the parts' attention backwards move nothing
         elif slot is not None:
-            slot.start_early()
+            # the Column's whole re-gather, now that this Row's own pieces have arrived: it travels
+            # during this wgrad and whatever runs before the Column's backward (all of attention's
+            # backward, between proj and qkv), and the Column's reduce-scatter finds less ahead
+            slot.start()
         grad_2d, input_2d = as_2d(gathered, input)
         grad_weight = _wgrad(weight, grad_2d, input_2d, wgrad, input, comm)
         return grad_input, grad_weight, None, None
