@@ -77,11 +77,13 @@ def _pp_mode(text: str) -> str:
 _FLAGS = (  # (flag, config field, argparse keywords)
     ("--overlap-tp", "tp.mode", dict(
         choices=TP_MODES, default="off",
-        help="Overlap the sequence-parallel all-gather/reduce-scatter of Megatron's ColumnParallelLinear/"
-        "RowParallelLinear with their GEMMs. off: stock Megatron; p2p: chunked point-to-point rings (any device "
-        "and backend); symm-mem: PyTorch's symmetric-memory fused ops (CUDA); fused: our Triton kernels; auto: "
-        "chosen at start (the cost model on a GPU it knows, else symm-mem where it runs, else p2p). Needs "
-        "--sequence-parallel and --transformer-impl local.")),
+        help="Overlap the tensor-parallel communication of Megatron's ColumnParallelLinear/RowParallelLinear "
+        "with their GEMMs: with --sequence-parallel their all-gather/reduce-scatter; without it their all-reduces "
+        "(the Row forward's and the Column dgrad's, each cut into row pieces all-reduced while the next piece "
+        "computes). off: stock Megatron; p2p: chunked point-to-point rings (any device and backend); symm-mem: "
+        "PyTorch's symmetric-memory fused ops (CUDA; without SP its fused reduce-scatter, then an all-gather); "
+        "fused: our Triton kernels (SP only); auto: chosen at start (the cost model on a GPU it knows, else "
+        "symm-mem where it runs, else p2p). Needs --transformer-impl local.")),
     ("--overlap-tp-chunks", "tp.chunks", dict(
         type=_argparse_rule(_chunk_count), default=None, metavar="N",
         help="Chunks per overlapped collective, over the whole TP group (a multiple of the TP size); 0 "
@@ -95,8 +97,16 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         help="Cut each attention and MLP block's rows into N sub-batches run one after another, so one "
         "sub-batch's all-gather / reduce-scatter travels while another's attention or GEMMs compute (Domino-style "
         "workload partitioning; 2 or 3 are the usual choices; default 1: whole). auto: the cost model chooses "
-        "N in 1-3 at start on a GPU it knows, else 1. Megatron's local spec with sequence parallelism; not with "
-        "--overlap-tp fused.")),
+        "N in 1-3 at start on a GPU it knows, else 1. Megatron's local spec; not with --overlap-tp fused. "
+        "Without --sequence-parallel each part's all-reduces travel while the next part computes.")),
+    ("--overlap-tp-allreduce-fusion", "tp.allreduce_fusion", dict(
+        action="store_true", default=None,
+        help="Without --sequence-parallel: CoCoNet's transformation of the attention block's output. Its "
+        "projection's all-reduce, bias, dropout and residual add run as a reduce-scatter overlapped with the "
+        "projection's GEMM, the bias, dropout and residual add on each rank's 1/TP of the rows, then an "
+        "all-gather whose pieces feed the pre-MLP norm and the fc1 GEMM as they land. The same numbers as "
+        "stock (dropout masks drawn whole from the same generator; summation order that of the reduce-scatter, "
+        "the same bits at TP=2). Opt-in.")),
     ("--overlap-tp-bidirectional", "tp.bidirectional", dict(
         action="store_true", default=None,
         help="Split each chunk in two halves travelling both ways round the ring.")),

@@ -59,11 +59,16 @@ class TPConfig(_Section):
     """Sub-batches each attention and MLP block's rows are cut into (``tp/sub_batch.py``); 1: whole;
     ``auto``: resolved once, at install, from the cost model (1 where it has no answer)."""
 
+    allreduce_fusion: bool = False
+    """Without sequence parallelism: the attention block's projection all-reduce, bias, dropout and
+    residual add as reduce-scatter, elementwise work on each rank's shard, all-gather feeding the
+    next norm and GEMM (``tp/allreduce_fusion.py``)."""
+
     explicit: frozenset = field(default_factory=frozenset, compare=False, repr=False)
     """Names of the fields above the user set (conflict messages only)."""
 
     DEPENDENT = ("chunks", "rs", "bidirectional", "autotune", "plan_file")  # meaningless with mode off
-    ALL = DEPENDENT + ("sub_batches",)
+    ALL = DEPENDENT + ("sub_batches", "allreduce_fusion")
 
     def __post_init__(self):
         if self.mode not in TP_MODES:
@@ -108,6 +113,7 @@ class TPConfig(_Section):
 
     def flags(self) -> list:
         sub = [flag_for("tp.sub_batches"), str(self.sub_batches)] if self.sub_batches != 1 else []
+        sub += [flag_for("tp.allreduce_fusion")] if self.allreduce_fusion else []
         if self.mode in ("off", "symm-mem"):
             return [] if self.mode == "off" else sub
         out = sub + [flag_for("tp.chunks"), str(self.chunks), flag_for("tp.rs"), self.rs_algo]
@@ -343,11 +349,12 @@ class OverlapConfig:
         get = lambda name: getattr(args, name, None)  # noqa: E731
         tp_dests = dict(chunks="overlap_tp_chunks", rs="overlap_tp_rs", bidirectional="overlap_tp_bidirectional",
                         autotune="overlap_tp_autotune", plan_file="overlap_tp_plan_file",
-                        sub_batches="overlap_tp_sub_batches")
+                        sub_batches="overlap_tp_sub_batches", allreduce_fusion="overlap_tp_allreduce_fusion")
         tp = TPConfig(mode=args.overlap_tp, chunks=_default(get("overlap_tp_chunks"), 0),
                       sub_batches=_default(get("overlap_tp_sub_batches"), 1),
                       rs=_default(get("overlap_tp_rs"), "ring"), bidirectional=bool(get("overlap_tp_bidirectional")),
                       autotune=bool(get("overlap_tp_autotune")), plan_file=get("overlap_tp_plan_file"),
+                      allreduce_fusion=bool(get("overlap_tp_allreduce_fusion")),
                       explicit=frozenset(n for n, dest in tp_dests.items() if get(dest) is not None))
         hdp = HDPConfig(enabled=bool(get("overlap_hdp")), max_tokens=get("overlap_hdp_max_tokens_per_rank"),
                         explicit=frozenset({"max_tokens"} if get("overlap_hdp_max_tokens_per_rank") is not None

@@ -32,7 +32,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Tuple
 
-from .pretrain_gpt_runs import NO_DROPOUT, TP2
+from .pretrain_gpt_runs import NO_DROPOUT, TP2, packed
 
 ITERATIONS, SAVE_AT = 6, 3
 
@@ -73,36 +73,57 @@ class Feature:
     rel: Dict[str, float] = field(default_factory=lambda: {"fp32": 0.0, "bf16": 0.0})
     why: str = ""
     calls: Tuple[str, ...] = ()  # patched calls that must have run (the plugin took over)
+    data: str = "mock"  # or "packed": documents of mixed lengths (tests/pretrain_gpt_runs.py)
+    resume_vs_stock: str = ""  # why the resumed run is not compared with stock's resume (empty: it is)
 
 
+_TP2_NO_SP = ("--tensor-model-parallel-size", "2")  # TP without --sequence-parallel: the all-reduce path
 _PP = ("--pipeline-model-parallel-size", "2", "--global-batch-size", "8")
 _VPP = ("--num-layers", "4", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
         "--num-layers-per-virtual-pipeline-stage", "1", "--lab-init-by-layer")
 _CP_MERGE = ("the attention of each query block is merged over the key/value blocks in another order "
-             "(online softmax over ring steps, or heads exchanged): rounding differs from one-rank attention")
+             "(online softmax over ring steps, or heads exchanged): rounding differs from one-rank attention "
+             "(measured at most 7e-5 in bf16, 2026-12-04)")
+_FEWER_RANKS = ("the reference runs on fewer ranks, so its distributed optimizer holds another number of parameters "
+                "per rank, and stock's own resume is inexact here by an error that grows with that number "
+                "(lab/megatron_lm_cpu.py: Adam's loaded step, one tensor shared by every parameter's state, is "
+                "incremented once per parameter)")
 
 FEATURES: Tuple[Feature, ...] = (
     Feature("tp-p2p", 4, TP2, ("--overlap-tp", "p2p"), 4, TP2, calls=("tp.column", "tp.row")),
     Feature("tp-a2a", 4, TP2, ("--overlap-tp", "p2p", "--overlap-tp-rs", "a2a"), 4, TP2,
             calls=("tp.column", "tp.row")),
     Feature("tp-sub-batches", 4, TP2, ("--overlap-tp", "p2p", "--overlap-tp-sub-batches", "2"), 4, TP2,
-            rel={"fp32": 1e-6, "bf16": 1e-2},
-            why="the weight and key/value gradients are summed per sub-batch (a few ulp from one GEMM's sum)",
+            rel={"fp32": 1e-6, "bf16": 1e-4},
+            why="the weight and key/value gradients are summed per sub-batch (a few ulp from one GEMM's sum; "
+                "measured at most 2.3e-5 in bf16, 2026-12-04)",
             calls=("tp.sub_batches",)),
+    Feature("tp-no-sp", 4, _TP2_NO_SP, ("--overlap-tp", "p2p"), 4, _TP2_NO_SP, calls=("tp.column_ar", "tp.row_ar")),
+    Feature("tp-no-sp-fusion", 4, _TP2_NO_SP, ("--overlap-tp", "p2p", "--overlap-tp-allreduce-fusion"), 4,
+            _TP2_NO_SP, calls=("tp.column_ar", "tp.row_ar", "tp.fusion")),
     Feature("cp-ring", 4, ("--context-parallel-size", "2"), ("--overlap-cp", "ring"), 2, (),
-            rel={"fp32": 1e-6, "bf16": 1e-2}, why=_CP_MERGE, calls=("cp.ring",)),
+            rel={"fp32": 1e-6, "bf16": 2e-4}, why=_CP_MERGE, resume_vs_stock=_FEWER_RANKS, calls=("cp.ring",)),
     Feature("cp-a2a", 4, ("--context-parallel-size", "2"), ("--overlap-cp", "a2a"), 2, (),
-            rel={"fp32": 1e-6, "bf16": 1e-2}, why=_CP_MERGE, calls=("cp.a2a",)),
+            rel={"fp32": 1e-6, "bf16": 2e-4}, why=_CP_MERGE, resume_vs_stock=_FEWER_RANKS, calls=("cp.a2a",)),
     Feature("cp-hybrid", 4, ("--context-parallel-size", "4"), ("--overlap-cp", "hybrid", "--overlap-cp-a2a-size", "2"),
-            1, (), rel={"fp32": 1e-6, "bf16": 1e-2}, why=_CP_MERGE, calls=("cp.hybrid",)),
+            1, (), rel={"fp32": 1e-6, "bf16": 2e-4}, why=_CP_MERGE, resume_vs_stock=_FEWER_RANKS, calls=("cp.hybrid",)),
+    Feature("hdp", 2, (), ("--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64"), 2, (),
+            rel={"fp32": 1e-6, "bf16": 1e-4}, data="packed",
+            why="the same mean over every token of a step, summed per document and ring instead of per sample row "
+                "(measured at most 1.5e-5 in bf16, 2026-12-04)",
+            calls=("hdp.step", "hdp.ring")),
     Feature("pp-1f1b", 4, _PP, ("--overlap-pp", "1f1b"), 4, _PP, calls=("pp.1f1b",)),
     Feature("pp-zb", 4, _PP, ("--overlap-pp", "zb"), 4, _PP, calls=("pp.zb",)),
     Feature("vpp-1f1b", 4, _VPP, ("--overlap-pp", "1f1b"), 4, _VPP, calls=("pp.1f1b.interleaved",)),
     Feature("vpp-zb", 4, _VPP, ("--overlap-pp", "zb"), 4, _VPP, calls=("pp.zb.interleaved",)),
     Feature("vpp-zbv", 4, _VPP, ("--overlap-pp", "zbv"), 4, _VPP, rel={"fp32": 5e-5, "bf16": 5e-5},
             why="--clip-grad: the gradient norm is summed per stage and then over stages, and the V holds other "
-                "layers on each stage, so the clip factor differs in its last bits (measured 6e-6; bit-identical "
-                "without clipping, test_pretrain_gpt.py)",
+                "layers on each stage, so the clip factor differs in its last bits (measured at most 1.4e-5; "
+                "bit-identical without clipping, test_pretrain_gpt.py)",
+            resume_vs_stock="stock's own resume is inexact here (lab/megatron_lm_cpu.py) by an error that grows with "
+                            "the number of parameters each rank holds (Adam's loaded step, one tensor shared by every "
+                            "parameter's state, is incremented once per parameter), and the V puts other layers on "
+                            "each rank",
             calls=("pp.zbv.interleaved",)),
     Feature("timeout", 4, TP2 + ("--pipeline-model-parallel-size", "2", "--global-batch-size", "8"),
             ("--overlap-tp", "p2p", "--overlap-pp", "zb", "--overlap-timeout-s", "60"), 4,
@@ -165,6 +186,8 @@ class Row:
 
     def partner_flags(self) -> tuple:
         flags = [*NO_DROPOUT, "--train-iters", str(ITERATIONS)]  # Llama-style: no dropout
+        if self.feature.data == "packed":  # with a validation split (80/20)
+            flags = [*(a if a != "100,0,0" else "80,20,0" for a in packed()), *flags]
         for name in PARTNERS:
             if name in self.partners:
                 flags += PARTNERS[name][0]

@@ -70,23 +70,25 @@ def _launcher():
 
 def launch(mode: str, ranks: int, flags: tuple, timeout: float = 600) -> dict:
     """One launch of pretrain_gpt.py, uncached: ``rc``, ``stdout``, ``stderr``, ``losses`` (per
-    iteration, from the last rank), ``calls`` (summed over ranks), ``redrawn``, ``log_losses``
-    and ``val_losses`` ({iteration: value} as printed)."""
+    iteration, from the last rank), ``grad_norms`` (beside them; None unless ``--clip-grad`` > 0),
+    ``calls`` (summed over ranks), ``redrawn``, ``log_losses`` and ``val_losses`` ({iteration:
+    value} as printed)."""
     out = os.path.join(os.environ.get("PYTEST_TMP", "/tmp"), f"pretrain_gpt_{os.getpid()}_{abs(hash((mode, ranks, flags)))}")
     argv = [out, mode, SCRIPT, *(a for a in BASE if not (a == "--mock-data" and "--data-path" in flags)), *flags]
     rc, stdout, stderr = _launcher().run(ranks, argv, timeout=timeout)
-    losses, calls, redrawn = [], {}, []
+    losses, calls, redrawn, grad_norms = [], {}, [], []
     for path in sorted(glob.glob(out + ".rank*")):
         with open(path) as f:
             r = json.load(f)
         os.remove(path)
         if path.endswith(f".rank{ranks - 1}"):  # the rank Megatron prints and writes its logs from
             losses = [step["lm loss"] for step in r["losses"] if step]
+            grad_norms = r.get("grad_norms", [])
         for k, v in r["calls"].items():
             calls[k] = calls.get(k, 0) + v
         redrawn += r.get("redrawn", [])
     return {"rc": rc, "stdout": stdout, "stderr": stderr, "losses": losses, "calls": calls,
-            "redrawn": sorted(redrawn),
+            "redrawn": sorted(redrawn), "grad_norms": grad_norms,
             "log_losses": {int(i): float(v) for i, v in _LOG_LOSS.findall(stdout)},
             "val_losses": {int(i): float(v) for i, v in _VAL_LOSS.findall(stdout)}}
 

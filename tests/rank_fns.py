@@ -321,7 +321,9 @@ def programmatic_install_checks_at_first_run(tp: int, chunks: int) -> str:
     return "no error"
 
 
-def sp_off_error(tp: int) -> str:
+def sp_off_error(tp: int, flags: list[str] = ("--overlap-tp", "fused")) -> str:
+    """The error a Column layer without sequence parallelism raises at its first run under
+    ``flags`` (a programmatic install: the model settings are learnt there)."""
     from megatron_overlap.lab import tiny_gpt
 
     tiny_gpt.init_parallel(tp)
@@ -329,7 +331,7 @@ def sp_off_error(tp: int) -> str:
 
     config = tiny_gpt.transformer_config(tiny_gpt.TinyGPT(), tp, sequence_parallel=False)
     layer = ColumnParallelLinear(96, 200, config=config, init_method=torch.nn.init.normal_, bias=True)
-    _install(["--overlap-tp", "p2p"])
+    _install(list(flags))
     try:
         layer(torch.randn(8, 2, 96))
     except Exception as exc:

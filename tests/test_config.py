@@ -42,6 +42,7 @@ def test_flag_set_is_pinned():
         "--overlap-tp-rs",
         "--overlap-tp-bidirectional",
         "--overlap-tp-sub-batches",
+        "--overlap-tp-allreduce-fusion",  # issue 35: CoCoNet's transformation without sequence parallelism
         "--overlap-tp-autotune",  # issue 34: was --overlap-autotune (TP only)
         "--overlap-tp-plan-file",  # issue 34: was --overlap-plan (TP only, not the plan command)
         "--overlap-trace",
@@ -222,7 +223,21 @@ def parser_error(capsys, *flags) -> str:
 @pytest.mark.parametrize(
     "flags,kwargs,flag,words",
     [
-        (["--overlap-tp", "p2p"], dict(sp=False), "--overlap-tp", "--sequence-parallel"),
+        # without sequence parallelism (issue 35): what the all-reduce path cannot run
+        (["--overlap-tp", "fused"], dict(sp=False), "--overlap-tp", "hide nothing; use --overlap-tp p2p"),
+        (["--overlap-tp", "p2p", "--overlap-tp-bidirectional"], dict(sp=False), "--overlap-tp-bidirectional",
+         "no ring to split"),
+        (["--overlap-tp", "p2p", "--overlap-tp-rs", "a2a"], dict(sp=False), "--overlap-tp-rs",
+         "add --overlap-tp-allreduce-fusion"),
+        (["--overlap-tp", "p2p", "--overlap-tp-allreduce-fusion"], {}, "--overlap-tp-allreduce-fusion",
+         "--sequence-parallel is on"),
+        (["--overlap-tp", "p2p", "--overlap-tp-allreduce-fusion"], dict(sp=False, seq=66), "--seq-length",
+         "which --overlap-tp-allreduce-fusion needs"),
+        (["--overlap-tp", "p2p", "--overlap-tp-chunks", "128"], dict(sp=False, seq=64), "--overlap-tp-chunks",
+         "use at most 64"),
+        (["--overlap-tp", "p2p"], dict(sp=False, impl="transformer_engine"), "--transformer-impl",
+         "--transformer-impl local"),
+        (["--overlap-tp-allreduce-fusion"], {}, "--overlap-tp-allreduce-fusion", "only applies to TP overlap"),
         (["--overlap-tp", "p2p", "--overlap-tp-chunks", "6"], {}, "--overlap-tp-chunks", "not a multiple"),
         (["--overlap-tp", "p2p"], dict(impl="transformer_engine"), "--transformer-impl", "--transformer-impl local"),
         (["--overlap-tp", "p2p"], dict(tp_comm_overlap=True), "--overlap-tp", "--tp-comm-overlap"),
@@ -284,7 +299,8 @@ def parser_error(capsys, *flags) -> str:
          "only applies to --overlap-pp 1f1b, zb, zbv or auto with a virtual pipeline"),
     ],
     ids=[
-        "overlap-without-sp",
+        "no-sp-fused", "no-sp-bidirectional", "no-sp-rs-without-fusion", "fusion-with-sp", "fusion-seq-not-split",
+        "no-sp-chunks-over-rows", "no-sp-te-linears", "fusion-without-tp-overlap",
         "chunks-not-multiple-of-tp",
         "te-linears",
         "conflicts-with-tp-comm-overlap",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import math
 import os
 import tempfile
@@ -44,7 +45,13 @@ def _resumed(mode: str, ranks: int, flags: tuple, save: str) -> dict:
     return run
 
 
-def _close(ours: dict, ref: dict, rel: float, why: str) -> None:
+def _close(ours: list, ref: list, rel: float, why: str, what: str = "") -> None:
+    """Equal (``rel`` 0) or within ``rel``; with ``MO_MATRIX_DIFFS`` set, the worst relative
+    difference is appended there (what docs/config-matrix.md reports as measured)."""
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
+    if os.environ.get("MO_MATRIX_DIFFS") and what:
+        with open(os.environ["MO_MATRIX_DIFFS"], "a") as f:
+            f.write(json.dumps({"run": what, "worst_rel": worst, "allowed": rel}) + "\n")
     for a, b in zip(ours, ref):
         assert (a == b) if rel == 0 else math.isclose(a, b, rel_tol=rel), (rel, why, ours, ref)
 
@@ -60,17 +67,19 @@ def test_feature_with_partner_flags_trains_like_its_reference(row):
     missing = [c for c in f.calls if not ours["calls"].get(c)]
     assert not missing, (missing, ours["calls"])  # the plugin ran the feature
     rel = f.rel[row.dtype]
-    _close(ours["losses"], ref["losses"], rel, f.why)
+    _close(ours["losses"], ref["losses"], rel, f.why, row.id)
     if "eval" in row.partners:
         assert sorted(ours["val_losses"]) == [2, 4, 6], ours["val_losses"]
-        _close([ours["val_losses"][i] for i in (2, 4, 6)], [ref["val_losses"][i] for i in (2, 4, 6)], rel, f.why)
+        _close([ours["val_losses"][i] for i in (2, 4, 6)], [ref["val_losses"][i] for i in (2, 4, 6)], rel, f.why,
+               row.id + " validation")
     if "ckpt" in row.partners:
         # against stock's own resume: stock megatron-core 0.16.1 without TE/apex does not resume the
         # distributed optimizer exactly here (lab/megatron_lm_cpu.py, _adam_step_in_initial_state)
-        ref_resumed = _resumed("stock", f.ref_ranks, ref_flags, ref_save)
         resumed = _resumed("plugin", f.ranks, ours_flags, save)
         assert resumed["losses"][0] == ours["losses"][SAVE_AT], (resumed["losses"], ours["losses"])  # the weights
-        _close(resumed["losses"], ref_resumed["losses"], rel, f.why)
+        if not f.resume_vs_stock:
+            ref_resumed = _resumed("stock", f.ref_ranks, ref_flags, ref_save)
+            _close(resumed["losses"], ref_resumed["losses"], rel, f.why, row.id + " resumed")
 
 
 def test_the_design_covers_every_pair_of_partner_flags_for_every_feature():

@@ -127,8 +127,12 @@ def test_full_megatron_args_install(caplog):
 def test_programmatic_install_checks_when_the_layer_runs(pool4):
     for message in pool4.run(rank_fns.programmatic_install_checks_at_first_run, 4, 6):
         assert message.startswith("OverlapConfigError: --overlap-tp-chunks: 6 is not a multiple of the tensor-parallel size 4"), message
+    # without sequence parallelism the all-reduce path runs (tests/test_tp_allreduce.py), but not on fused
     for message in pool4.run(rank_fns.sp_off_error, 2):
-        assert message.startswith("OverlapConfigError: --overlap-tp:") and "--sequence-parallel" in message, message
+        assert message.startswith("OverlapConfigError: --overlap-tp: fused: without --sequence-parallel the linears "
+                                  "all-reduce"), message
+    for message in pool4.run(rank_fns.sp_off_error, 2, ["--overlap-tp", "p2p", "--overlap-tp-bidirectional"]):
+        assert message.startswith("OverlapConfigError: --overlap-tp-bidirectional: splits the chunks of a ring"), message
 
 
 def test_every_subpackage_is_installed():

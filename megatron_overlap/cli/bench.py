@@ -29,6 +29,18 @@ def add_mlp_args(parser: argparse.ArgumentParser, layer: bool = False):
     parser.add_argument("--overlap-tp-sub-batches", dest="sub_batches", type=int, default=d.sub_batches, metavar="N",
                         help="also run per-op overlap with each attention and MLP block cut into N sub-batches, in "
                         "the same rounds")
+    parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                        help="tensor parallelism without sequence parallelism: stock all-reduces the Row outputs "
+                        "and the Column input gradients; the plugin runs its all-reduce path")
+    parser.add_argument("--overlap-tp-allreduce-fusion", dest="allreduce_fusion", action="store_true",
+                        help="with --no-sequence-parallel: also per-op overlap with --overlap-tp-allreduce-fusion "
+                        "(the attention output's all-reduce, bias, dropout and residual as reduce-scatter, work on "
+                        "the shard, all-gather feeding the next norm and GEMM), in the same rounds")
+    parser.add_argument("--gradient-accumulation-fusion", dest="grad_accum_fusion", action="store_true",
+                        help="Megatron's gradient_accumulation_fusion (its default where apex exists), for stock and "
+                        "plugin alike: weight gradients accumulated into main_grad, which lets the plugin run a "
+                        "weight-gradient GEMM while a later transfer travels (CPU: apex's kernel replaced by a "
+                        "matmul and an add)")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--timeline", default="", metavar="PNG", help="draw the last round's timeline here")
@@ -48,12 +60,19 @@ def check_mlp(cfg, command: str) -> None:
            micro_batch=(cfg.micro_batch, 1), steps=(cfg.steps, 1), warmup=(cfg.warmup, 0),
            overlap_tp_sub_batches=(cfg.sub_batches, 1), heads=(cfg.heads, 1), overlap_tp_chunks=(cfg.chunks, 0))
     amounts(command, ("comm_ratio",), comm_ratio=cfg.comm_ratio, latency_us=cfg.latency_us)
-    if cfg.seq % cfg.tp:
-        raise SystemExit(f"{command}: --seq {cfg.seq} does not split over --tp {cfg.tp} (sequence parallelism)")
+    if cfg.seq % cfg.tp and (cfg.sequence_parallel or cfg.allreduce_fusion):
+        raise SystemExit(f"{command}: --seq {cfg.seq} does not split over --tp {cfg.tp} ("
+                         + ("sequence parallelism)" if cfg.sequence_parallel else "the all-reduce fusion's shards)"))
+    if cfg.allreduce_fusion and cfg.sequence_parallel:
+        raise SystemExit(f"{command}: --overlap-tp-allreduce-fusion splits the all-reduces of TP without sequence parallelism; "
+                         "add --no-sequence-parallel")
+    if cfg.bidirectional and not cfg.sequence_parallel:
+        raise SystemExit(f"{command}: --overlap-tp-bidirectional splits ring transfers; without sequence "
+                         "parallelism the linears all-reduce: drop it")
     if cfg.block == "layer" and (cfg.hidden % cfg.heads or cfg.heads % cfg.tp):
         raise SystemExit(f"{command}: --hidden {cfg.hidden} must be a multiple of --heads {cfg.heads}, and the heads "
                          f"of --tp {cfg.tp}")
-    tp_chunks(command, cfg.chunks, cfg.tp, cfg.seq // cfg.tp)
+    tp_chunks(command, cfg.chunks, cfg.tp, cfg.rows)
 
 
 def mlp_main(args) -> int:
@@ -62,6 +81,9 @@ def mlp_main(args) -> int:
     check_mlp(cfg, f"megatron-overlap bench {cfg.block}")
     if args.predict and cfg.block != "mlp":
         raise SystemExit("megatron-overlap bench layer: --predict models the MLP block only; drop it")
+    if args.predict and not cfg.sequence_parallel:
+        raise SystemExit(f"megatron-overlap bench {cfg.block}: --predict models sequence parallelism only; drop it "
+                         "(`megatron-overlap plan --no-sequence-parallel` prices the all-reduce path)")
     result = run(cfg, progress=not args.no_progress, timeline_png=args.timeline)
     print(format_table(result))
     if args.predict:

@@ -1,5 +1,5 @@
-"""MLP block (Column fc1 -> GeLU -> Row fc2, SP) forward+backward: stock Megatron vs the plugin,
-on the same emulated link, in one run.
+"""MLP block (Column fc1 -> GeLU -> Row fc2, SP; or all-reduces with ``--no-sequence-parallel``)
+forward+backward: stock Megatron vs the plugin, on the same emulated link, in one run.
 
 Each rank runs with one intra-op thread, as many ranks as cores, so a rank that sleeps on an
 emulated transfer never lends its core to another. The link is calibrated so that a step's
@@ -23,7 +23,8 @@ from dataclasses import asdict
 from ..lab.mlp_bench import MLPBench
 
 
-LABELS = {"stock": "stock Megatron", "overlap": "megatron-overlap", "sub": "+ sub-batches"}
+LABELS = {"stock": "stock Megatron", "overlap": "megatron-overlap", "sub": "+ sub-batches",
+          "fusion": "+ all-reduce fusion"}
 TITLES = {"mlp": "MLP block (fc1 -> GeLU -> fc2)",
           "layer": "transformer layer (norm, QKV, causal attention, proj, norm, fc1, GeLU, fc2)"}
 
@@ -46,11 +47,11 @@ def run(cfg: MLPBench, progress: bool = True, timeline_png: str = "") -> dict:
         closing = ranks.close()
     result = summarize(cfg, rounds, closing)
     if timeline_png:
-        result["timeline_png"] = draw_timeline(rounds[-1], timeline_png, TITLES[cfg.block])
+        result["timeline_png"] = draw_timeline(rounds[-1], timeline_png, TITLES[cfg.block], cfg.sequence_parallel)
     return result
 
 
-def draw_timeline(per_rank: list, path: str, title: str = "") -> str:
+def draw_timeline(per_rank: list, path: str, title: str = "", sequence_parallel: bool = True) -> str:
     """Both modes of one round, the whole step, per rank: compute, blocked, link."""
     from ..trace import timeline
 
@@ -67,7 +68,8 @@ def draw_timeline(per_rank: list, path: str, title: str = "") -> str:
             rows.append((f"rank {rank} blocked", "blocked", timeline.clip(trace["blocked"], start, end)))
             rows.append((f"rank {rank} link", "link", timeline.clip(trace["link"], start, end)))
         panels.append(timeline.Panel(f"{label}: fwd+bwd", width, rows))
-    return timeline.draw(panels, path, title=f"{title or TITLES['mlp']}, TP + SP, emulated link", columns=1)
+    sp = "TP + SP" if sequence_parallel else "TP without SP (all-reduces)"
+    return timeline.draw(panels, path, title=f"{title or TITLES['mlp']}, {sp}, emulated link", columns=1)
 
 
 def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
@@ -140,14 +142,15 @@ def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
     )
     result["fraction_of_ceiling"] = result["speedup"] / result["ceiling"]
     result["max_rel_diff_vs_stock"] = max(c["parity"] for c in closing)
-    if "sub" in cfg.modes:
-        result["sub_vs_limit"] = per_round("sub", "strict")
-        result["sub_vs_program_limit"] = per_round("sub", "program")
-        for base in ("stock", "overlap"):
-            result[f"sub_speedup_vs_{base}"] = statistics.median(
-                max(r[base]["wall_s"] for r in per_rank) / max(r["sub"]["wall_s"] for r in per_rank)
-                for per_rank in rounds)
-        result["sub_max_rel_diff_vs_stock"] = max(c["parity_by_mode"]["sub"] for c in closing)
+    for mode in ("sub", "fusion"):  # the modes beside per-op overlap: sub-batches, the all-reduce fusion
+        if mode in cfg.modes:
+            result[f"{mode}_vs_limit"] = per_round(mode, "strict")
+            result[f"{mode}_vs_program_limit"] = per_round(mode, "program")
+            for base in ("stock", "overlap"):
+                result[f"{mode}_speedup_vs_{base}"] = statistics.median(
+                    max(r[base]["wall_s"] for r in per_rank) / max(r[mode]["wall_s"] for r in per_rank)
+                    for per_rank in rounds)
+            result[f"{mode}_max_rel_diff_vs_stock"] = max(c["parity_by_mode"][mode] for c in closing)
     return result
 
 
@@ -167,6 +170,12 @@ def phases(cfg: MLPBench, rounds: list) -> dict:
         t * (1 - share) for t in transfer)
     out["forward_bound_ms"] = max(out["compute_forward_ms"], out["transfer_forward_ms"])
     out["backward_bound_ms"] = max(out["compute_backward_ms"], out["transfer_backward_ms"])
+    if cfg.block == "layer" and not cfg.sequence_parallel:
+        # without SP a layer's first forward transfer is the projection's all-reduce: none can leave
+        # before the norm and the QKV GEMM (the replay's, timed) have run, whatever the schedule
+        out["compute_pre_attention_ms"] = med(max(r.get("compute_pre_attention_s", 0.0) for r in pr) for pr in rounds)
+        out["forward_link_bound_ms"] = out["transfer_forward_ms"] + out["compute_pre_attention_ms"]
+        out["step_bound_ms"] = max(out["forward_bound_ms"], out["forward_link_bound_ms"]) + out["backward_bound_ms"]
     for mode in cfg.modes:
         parts = cfg.sub_batches if mode == "sub" else 1
         out[mode] = {
@@ -196,6 +205,10 @@ def format_phases(result: dict) -> list:
                      + (f"{r['forward_sync_bound_ms']:>9.1f}" if layer else "")
                      + f"{r['backward_ms']:>10.1f}{r['backward_blocked_ms']:>9.1f}"
                      f"{r['backward_ms'] - r['backward_blocked_ms']:>10.1f}")
+    if "forward_link_bound_ms" in ph:
+        lines.append(f"without SP no forward transfer leaves before the norm and the QKV GEMM ({ph['compute_pre_attention_ms']:.1f} "
+                     f"ms in the replay): forward >= {ph['forward_link_bound_ms']:.1f} ms, step >= "
+                     f"{ph['step_bound_ms']:.1f} ms (= {ph['step_bound_ms'] / result['limit_ms']:.2f}x the limit) for any schedule")
     lines.append("(sync bd: the forward's bound with attention's synchronisation, forward transfer + the first query "
                  "part's attention; unblocked: backward time not waiting on the link, against the replay's backward "
                  "compute)" if layer else "(unblocked: backward time not waiting on the link, against the replay's "
@@ -207,7 +220,8 @@ def format_table(result: dict) -> str:
     link, cfg = result["link"], result["config"]
     lines = [
         f"{TITLES[cfg.get('block', 'mlp')]} fwd+bwd, hidden {cfg['hidden']}, ffn {cfg['ffn']}, seq {cfg['seq']}, "
-        f"TP={cfg['tp']} + SP, fp32, 1 thread/rank, {cfg['steps']} rounds (medians)",
+        f"TP={cfg['tp']} {'+ SP' if cfg.get('sequence_parallel', True) else 'without SP (all-reduces)'}, fp32, "
+        f"1 thread/rank, {cfg['steps']} rounds (medians)",
         f"link: {link['bandwidth_GBps']:.4f} GB/s egress per rank, {link['latency_us']:.0f} us/message "
         f"(transfers = {cfg['comm_ratio']:g} x compute)",
         f"compute only {result['compute_ms']:.1f} ms | transfer {result['stock']['comm_ms']:.1f} ms | "
@@ -241,6 +255,12 @@ def format_table(result: dict) -> str:
             f"{result['sub_speedup_vs_overlap']:.2f}x over per-op overlap, {result['sub_speedup_vs_stock']:.2f}x over "
             f"stock; max rel. diff of grads vs stock {result['sub_max_rel_diff_vs_stock']:.1e} (weight gradients "
             "summed per sub-batch)")
+    if "fusion" in result:
+        lines.append(
+            f"all-reduce fusion: {result['fusion_vs_limit']:.2f}x the limit "
+            f"({result['fusion_vs_program_limit']:.2f}x against stock's free-link step), "
+            f"{result['fusion_speedup_vs_overlap']:.2f}x over per-op overlap, {result['fusion_speedup_vs_stock']:.2f}x "
+            f"over stock; max rel. diff of grads vs stock {result['fusion_max_rel_diff_vs_stock']:.1e}")
     if "phases" in result:
         lines += format_phases(result)
     if result.get("timeline_png"):

@@ -22,6 +22,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                        help="tensor parallelism without sequence parallelism: stock all-reduces the Row outputs and "
+                        "the Column input gradients (exposed or beside a wgrad); the plugin's all-reduce path, "
+                        "sub-batches and all-reduce fusion are priced against it")
     parser.add_argument("--seq", type=int, help="sequence length (decode: cached tokens); default: the model's")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--micro-batches", type=int,
@@ -56,7 +60,8 @@ def run_from_args(args, model: ModelSpec) -> RunSpec:
     phase = ("prefill" if args.prefill else "decode") if args.inference else "train"
     micro_batches = args.micro_batches or (2 * args.pp if args.pp > 1 else 1)
     return RunSpec(tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp, seq=args.seq or model.seq,
-                   micro_batch=args.micro_batch, micro_batches=micro_batches if phase == "train" else 1, phase=phase)
+                   micro_batch=args.micro_batch, micro_batches=micro_batches if phase == "train" else 1, phase=phase,
+                   sequence_parallel=getattr(args, "sequence_parallel", True))
 
 
 def plan_main(args) -> int:

@@ -26,6 +26,7 @@ STREAMS = (
     "cp.a2a_grad_in",          # cp.a2a: its backward, sequence -> head
     "pp.stage",                # integration.schedules: activations and gradients between stages
     "pp.rows",                 # integration.schedules: a step's micro-batch rows, checked between stages (HDP)
+    "tp.fusion_all_gather",    # tp.allreduce_fusion: the fused block's all-gather into the next norm and GEMM
 )
 assert (len(STREAMS) + 1) * STREAM_SIZE <= 1 << 23
 

@@ -2,8 +2,8 @@
 
 | upstream name                                                   | replaced in          | can go when |
 |-----------------------------------------------------------------|----------------------|-------------|
-| ``tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce`` (and its re-export ``tensor_parallel.<same name>``) | ``linears.py`` (Column + SP -> ``tp``) | Megatron's ColumnParallelLinear takes a pluggable AG-GEMM |
-| ``tensor_parallel.layers.RowParallelLinear.forward``            | ``linears.py`` (Row + SP -> ``tp``) | Megatron's RowParallelLinear takes a pluggable GEMM-RS |
+| ``tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce`` (and its re-export ``tensor_parallel.<same name>``) | ``linears.py`` (Column -> ``tp``: + SP ``linear.py``, without SP ``linear_ar.py``) | Megatron's ColumnParallelLinear takes a pluggable AG-GEMM and dgrad all-reduce |
+| ``tensor_parallel.layers.RowParallelLinear.forward``            | ``linears.py`` (Row -> ``tp``: + SP ``linear.py``, without SP ``linear_ar.py``) | Megatron's RowParallelLinear takes a pluggable GEMM-RS / GEMM-AR |
 | ``transformer.dot_product_attention.DotProductAttention.__init__`` / ``.forward`` | ``attention.py`` (``--overlap-cp``, ``--overlap-hdp`` -> ``cp``) | Megatron's local attention supports CP |
 | ``distributed.param_and_grad_buffer._ParamAndGradBucketGroup.register_grad_ready`` | ``ddp.py`` (TP overlap: a parameter is ready once its held-back wgrad GEMM ran) | Megatron's DDP learns of wgrads computed after the backward hook |
 | ``megatron.training.training.train_step``                       | ``training.py`` (``--overlap-trace``) | Megatron-LM's loop takes a profiler hook |
@@ -13,8 +13,10 @@
 | ``parallel_state.initialize_model_parallel`` (``--overlap-hdp``) | ``hdp.py`` (HDP's own communicator over the data-parallel ranks made right after Megatron's groups) | Megatron makes a group for a plugin's traffic |
 | ``get_batch_on_this_tp_rank`` (core_v0.16 ``megatron.training.utils``, 0.19 ``megatron.core.utils``, and every module that bound it by name, the script's ``__main__`` included; ``--overlap-hdp``) | ``hdp_loop.py`` (during an HDP step each TP rank reads its own copy of the planned micro-batch instead of a fixed-shape broadcast) | Megatron-LM's get_batch broadcasts variable shapes |
 | ``transformer.mlp.MLP.forward``, ``transformer.attention.Attention.forward``, ``DotProductAttention.forward`` (``--overlap-tp-sub-batches`` > 1) | ``sub_batches.py`` (the blocks cut into row parts) | Megatron's layers take a sub-batch schedule |
+| ``transformer.transformer_layer.TransformerLayer._forward_attention``, ``._forward_pre_mlp_layernorm`` (``--overlap-tp-allreduce-fusion``, no sequence parallelism) | ``allreduce_fusion.py`` (the attention output's all-reduce + bias-dropout-add as reduce-scatter, shard-wise work, all-gather into the pre-MLP norm and fc1) | Megatron's layer fuses its all-reduce with the bias-dropout-add |
 | ``pipeline_parallel.get_forward_backward_func`` (also in ``pipeline_parallel.schedules`` and ``megatron.training.training``, which bind it by name) | ``schedules.py`` (``--overlap-pp`` -> ``pp``) | Megatron takes a pluggable pipeline schedule |
 | ``distributed.DistributedDataParallel.__init__``, ``distributed.param_and_grad_buffer._ParamAndGradBuffer.__init__`` (``--overlap-pp`` 1f1b / zb / zbv with virtual pipelines) | ``ddp.py`` (DDP buckets on every stage and model chunk) | Megatron's DDP buckets every stage and chunk of an interleaved pipeline |
+| ``transformer.transformer_layer.get_transformer_layer_offset``, ``parallel_state.is_pipeline_last_stage``, ``pipeline_parallel.utils.is_pp_last_stage`` (wherever bound by name), ``megatron.training.training.train_step`` and ``evaluate`` (``--overlap-pp zbv``) | ``vplacement.py`` (the V's layer offsets and last stage; stage 0's losses sent to the last rank) | Megatron builds a V placement and logs from the stage that computed the loss |
 
 The linears' function is also patched, without TP overlap, under ``--overlap-pp zb`` at TP = 1 (weight
 gradients deferred to W). ``ColumnParallelLinear._forward_impl`` looks the module-level function up at call time, so
@@ -110,6 +112,9 @@ class Installation:
         self.microbatch_rows = None
         self.attention_block = None  # the Attention whose core attention is being cut (sub_batches.py)
         self.projected = None  # (context rows, projection, bias) between a cut core attention and linear_proj
+        self.fusion = None  # allreduce_fusion.Request while a fused attention block runs (--overlap-tp-allreduce-fusion)
+        self.served: dict = {}  # id(norm output) -> (it, fc1 weight, fc1 GEMM output) computed while it was gathered
+        self.served_norm = None  # the fused block whose pre-MLP norm was computed ahead (allreduce_fusion.py)
         self.checked: set = set()
         self.sites: dict = {}  # (id(weight), shape) -> "layer 3 linear_fc1 (column, ...)": wait messages (sites.py)
         self._noticed: set = set()

@@ -1,8 +1,10 @@
 """Megatron's Column/Row parallel linears -> ``tp`` (patch table in ``install.py``).
 
-Everything that is not an SP layer with TP > 1 and a trainable weight (frozen weights, MoE
-experts with explicit communication, 0.19's GTP-sharded weights) goes to Megatron's original
-code untouched.
+With sequence parallelism the layers run ``tp.linear`` (all-gather / reduce-scatter overlapped);
+without it ``tp.linear_ar`` (the Row forward's and the Column dgrad's all-reduces overlapped).
+Everything that is not a layer with TP > 1 and a trainable weight (frozen weights, MoE experts
+with explicit communication, 0.19's GTP-sharded weights) goes to Megatron's original code
+untouched.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from ..comm import waits
 from ..config import ModelContext
 from ..tp.checks import check_tp_model
 from ..tp.linear import ColumnParallelSP, DeferredWgradLinear, RowParallelSP, TPComm, WgradOptions
-from ..tp.plan import TPPlanner, tokens_per_row
+from ..tp.linear_ar import ColumnParallelAR, RowParallelAR, ServedColumn
+from ..tp.plan import AR_KINDS, TPPlanner, tokens_per_row
 from . import compat, sites
 
 _LINEAR_FN = "linear_with_grad_accumulation_and_async_allreduce"
@@ -124,18 +127,31 @@ def patch(inst) -> None:
         from . import sub_batches
 
         sub_batches.patch(inst)
+    if inst.config.tp.allreduce_fusion:
+        from . import allreduce_fusion
+
+        allreduce_fusion.patch(inst)
     inst.notice_once("tp-on", f"TP overlap on ({inst.tp.backend.name}): {' '.join(inst.config.as_flags())}")
 
 
-def _comm(inst, kind: str, group, x, weight, shard_rows: int, sub=None) -> TPComm:
+def _comm(inst, kind: str, group, x, weight, shard_rows: int, sub=None, sequence_parallel=None) -> TPComm:
     """The TP plan and backend of one linear; the first time a shape, dtype and device are
     seen, the model settings and the backend are checked (a programmatic install learns them
-    only now)."""
+    only now). The all-reduce kinds (``column_ar``, ``row_ar``: no sequence parallelism) pass
+    the whole sequence's rows as ``shard_rows``."""
     size = group.size()
-    key = (id(group), size, shard_rows, tokens_per_row(x), x.dtype, x.device)
+    sp = kind not in AR_KINDS if sequence_parallel is None else sequence_parallel  # the fusion: RS plan, no SP
+    key = (id(group), size, shard_rows, tokens_per_row(x), x.dtype, x.device, sp)
     if key not in inst.checked:
+        if not sp and inst.wgrad is not None:
+            # the all-reduce path: a layer's last dgrad all-reduce (QKV's) has only its own GEMMs and
+            # the held weight gradients to hide behind, so up to one layer's may wait (3 linears per
+            # sub-batch and QKV's), each keeping its two inputs until it runs (measured, BENCHMARKS.md)
+            parts = inst.config.tp.sub_batches if isinstance(inst.config.tp.sub_batches, int) else 1
+            inst.wgrad.limit = max(inst.wgrad.limit, 3 * parts + 1)
         inst.tp.backend.check(x)
-        check_tp_model(inst.config.tp, ModelContext(tp_size=size, sequence_parallel=True, seq_length=shard_rows * size))
+        check_tp_model(inst.config.tp, ModelContext(tp_size=size, sequence_parallel=sp,
+                                                    seq_length=shard_rows * size if kind not in AR_KINDS else shard_rows))
         inst.checked.add(key)
     return TPComm(group, inst.tp.plan(kind, x, weight, group, shard_rows), inst.tp.backend, inst.prefetch, inst.wgrad,
                   sub)
@@ -147,15 +163,15 @@ def _column_linear(inst, original):
     @functools.wraps(original)  # also copies the `.warned` attribute Megatron reads back
     def linear(*args, **kwargs):
         call = compat.LinearCall(signature, args, kwargs)
-        if call.allreduce_dgrad:
-            # Only a Column layer with TP > 1 and sequence parallelism off asks for this.
-            size = compat.default_tp_group(call.tp_group).size()
-            check_tp_model(inst.config.tp, ModelContext(tp_size=size, sequence_parallel=False))
         group = compat.default_tp_group(call.tp_group)
         if inst.config.pp.split and (group is None or group.size() == 1) and call.grad_output_buffer is None:
             wgrad = WgradOptions(call.gradient_accumulation_fusion)
             inst.calls["pp.deferred_linear"] += 1
             return DeferredWgradLinear.apply(call.input, call.weight, call.bias, wgrad, inst.wgrad)
+        if call.allreduce_dgrad and inst.tp_overlap and group is not None and group.size() > 1 and \
+                call.gtp_remat_size <= 1:
+            # Only a Column layer with TP > 1 and sequence parallelism off asks for this.
+            return _column_ar(inst, call, group)
         if not call.sequence_parallel or not inst.tp_overlap:
             return original(*args, **kwargs)
         if group is None or group.size() == 1:
@@ -177,14 +193,30 @@ def _column_linear(inst, original):
     return linear
 
 
+def _column_ar(inst, call, group):
+    """A Column linear without sequence parallelism (``tp.linear_ar``); its GEMM already computed
+    when the all-reduce fusion's gather fed it (``allreduce_fusion.py``)."""
+    x = call.input
+    wgrad = WgradOptions(call.gradient_accumulation_fusion, call.grad_output_buffer, call.wgrad_deferral_limit)
+    sub = inst.sub_batch
+    part = (sub, sub.index) if sub is not None and sub.parts and x is sub.parts[sub.index] else None
+    comm = _comm(inst, "column_ar", group, x, call.weight, x.shape[0], part)
+    inst.calls["tp.column_ar"] += 1
+    with waits.at(sites.label_for_weight(inst, call.weight, "column") + " forward",
+                  timeout_s=inst.config.comm.timeout_s):
+        served = inst.served.pop(id(x), None) if inst.served else None
+        if served is not None and served[0] is x and served[1] is call.weight:
+            inst.calls["tp.fusion.served"] += 1
+            return ServedColumn.apply(x, call.weight, call.bias, wgrad, comm, served[2])
+        return ColumnParallelAR.apply(x, call.weight, call.bias, wgrad, comm)
+
+
 def _row_forward(inst, original):
     @functools.wraps(original)
     def forward(self, input_):
         group = self.tp_group
         if group is None or group.size() == 1 or self.explicit_expert_comm or not self.weight.requires_grad:
             return original(self, input_)
-        if not self.sequence_parallel:
-            check_tp_model(inst.config.tp, ModelContext(tp_size=group.size(), sequence_parallel=False))
         if getattr(self, "gtp_remat_size", 1) > 1:
             inst.notice_once("gtp", "GTP-sharded weights (gtp_remat_size > 1) run Megatron's stock path")
             return original(self, input_)
@@ -195,20 +227,36 @@ def _row_forward(inst, original):
             done = projected(inst, input_)
             if done is not None:  # computed per sub-batch by the core attention (sub_batches.py)
                 return done
-        rows = input_.shape[0] // group.size()
+        sp = self.sequence_parallel
+        rows = input_.shape[0] // group.size() if sp else input_.shape[0]
         sub = inst.sub_batch
         part = (sub, sub.index) if sub is not None and self is sub.row and self.skip_bias_add else None
-        comm = _comm(inst, "row", group, input_, self.weight, rows, part)
-        inst.calls["tp.row"] += 1
+        comm = _comm(inst, "row" if sp else "row_ar", group, input_, self.weight, rows, part)
+        inst.calls["tp.row" if sp else "tp.row_ar"] += 1
         with waits.at(sites.label_for_weight(inst, self.weight, "row", self) + " forward",
                       timeout_s=inst.config.comm.timeout_s):
-            output_ = RowParallelSP.apply(input_, self.weight, WgradOptions(self.gradient_accumulation_fusion), comm)
+            options = WgradOptions(self.gradient_accumulation_fusion)
+            if not sp:
+                fused = _fusion(inst, self, input_, options, comm)
+                if fused is not None:
+                    return fused
+            output_ = (RowParallelSP if sp else RowParallelAR).apply(input_, self.weight, options, comm)
         if not self.skip_bias_add:
             output = (output_ + self.bias) if self.bias is not None else output_
             return output, None
         return output_, self.bias
 
     return forward
+
+
+def _fusion(inst, row, input_, options, comm):
+    """The all-reduce fusion's output for ``row`` when the attention block it projects asked for
+    it (``allreduce_fusion.py``), else None."""
+    if inst.fusion is None:
+        return None
+    from . import allreduce_fusion
+
+    return allreduce_fusion.row_forward(inst, row, input_, options, comm)
 
 
 def _check_cpu_offloading(layer, input_):

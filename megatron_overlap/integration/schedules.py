@@ -46,6 +46,7 @@ from ..comm import tags, waits
 from ..errors import OverlapConfigError, render
 from ..pp import build
 from ..pp.schedule import ACT, B, F, POST, RECV, SEND, WAIT, W
+from .pp_megatron import GradSync, default_collection, dispatch_param_gather, refuse_unsupported, single, timed_out
 
 _NAME = "get_forward_backward_func"
 
@@ -119,14 +120,14 @@ class _Run:
         from megatron.core import parallel_state
         from megatron.core.utils import get_model_config, get_model_type
 
-        model = _single(model, "model")
+        model = single(model, "model")
         self.inst, self.schedules, self.with_model_type = inst, schedules, with_model_type
-        self.forward_step_func, self.data_iterator = forward_step_func, _single(data_iterator, "data_iterator")
+        self.forward_step_func, self.data_iterator = forward_step_func, single(data_iterator, "data_iterator")
         self.model, self.m, self.forward_only = model, m, forward_only
         self.collect_non_loss_data, self.first_val_step = collect_non_loss_data, first_val_step
         self.config = config = get_model_config(model)
         self.model_type = get_model_type(model)
-        _refuse_unsupported(config, rows_known=inst.microbatch_rows is not None)
+        refuse_unsupported(config, rows_known=inst.microbatch_rows is not None)
         if pg_collection is not None and not hasattr(pg_collection, "tp"):
             raise OverlapConfigError("pp.mode", "runs single-module pipelines; a multi-module process-group "
                                      "collection needs Megatron's own schedule (`pp.mode` megatron)")
@@ -185,13 +186,13 @@ class _Run:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
         self.total_tokens = torch.zeros([], dtype=torch.int, device=self.device)
         self.data = []
-        sync = _GradSync(config)
+        sync = GradSync(config)
         sync.disable()
         last_b = self.m - 1
         if self.rows is not None:
             self._agree_rows()
             self.inst.calls["pp.variable_shapes"] += 1
-        if _dispatch_param_gather(self.model):
+        if dispatch_param_gather(self.model):
             self.inst.calls["pp.param_gather_at_start"] += 1
         observe = self.inst.pp_observer
         for action in self.schedule.actions[self.stage]:
@@ -212,9 +213,9 @@ class _Run:
             try:
                 config.finalize_model_grads_func(
                     [self.model], self.total_tokens if config.calculate_per_token_loss else None,
-                    pg_collection=self.pg_collection or _default_collection(self), force_all_reduce=force_all_reduce)
+                    pg_collection=self.pg_collection or default_collection(self), force_all_reduce=force_all_reduce)
             except RuntimeError as exc:
-                if not _timed_out(exc):
+                if not timed_out(exc):
                     raise
                 raise RuntimeError(
                     f"megatron-overlap pipeline stage {self.stage}: the data-parallel gradient sync after the "
@@ -328,7 +329,7 @@ class _Run:
             except RuntimeError as exc:
                 raise RuntimeError(
                     f"megatron-overlap pipeline stage {self.stage}: {c} did not complete "
-                    f"({'the peer stage is silent or failed: ' if _timed_out(exc) else ''}{exc}); "
+                    f"({'the peer stage is silent or failed: ' if timed_out(exc) else ''}{exc}); "
                     + render("the pipeline group's timeout (or `comm.timeout_s`) bounds every wait")) from exc
         buf = self.buffers.pop(c)
         if c.op == RECV and c.kind == ACT:
@@ -351,58 +352,6 @@ def _drain_plan(schedule, stage: int) -> tuple:
     return schedule.drain[stage], acts[last].mb, trailing
 
 
-def _dispatch_param_gather(model) -> bool:
-    """The first parameter bucket's all-gather, dispatched as the step begins (module docstring):
-    only where Megatron's DDP would otherwise leave it to the first forward's hook (distributed
-    optimizer with ``overlap_param_gather``, not aligned, not overlapped with the optimizer step)
-    and only while those hooks are registered. Megatron-LM's loop removes them for the first
-    iteration, around every evaluation and checkpoint save (``disable_forward_pre_hook``, the
-    parameters then gathered synchronously): a gather dispatched then would have no hook to wait
-    for it, and the next step's dispatch would find it still in flight."""
-    if not getattr(model, "use_forward_hook", False) or not getattr(model, "remove_forward_pre_hook_handles", None):
-        return False
-    ddp_config = getattr(model, "ddp_config", None)
-    if ddp_config is None or getattr(ddp_config, "align_param_gather", False) or \
-            getattr(model, "overlap_param_gather_with_optimizer_step", False):
-        return False
-    groups = getattr(model, "bucket_groups", None)
-    if not groups or groups[-1].param_gather_dispatched:
-        return False
-    if getattr(groups[-1], "param_gather_handle", None) is not None:
-        raise RuntimeError(render(
-            "megatron-overlap `pp.mode`: the distributed optimizer's parameter all-gather of the first layers is "
-            "still in flight from an earlier step that no forward pre-hook waited for (Megatron DDP's state is not "
-            "what the schedule expects: hooks switched off and on outside Megatron-LM's loop?). Re-enable the "
-            "hooks with `model.enable_forward_pre_hook()` only after the gathers finished, or drop "
-            "`megatron.overlap_param_gather`, or run Megatron's own schedule (`pp.mode` megatron)"))
-    groups[-1].start_param_sync()
-    return True
-
-
-def _timed_out(exc: BaseException) -> bool:
-    """gloo says "Timed out", NCCL's watchdog "Timeout"."""
-    text = str(exc).lower()
-    return "timed out" in text or "timeout" in text
-
-
-class _GradSync:
-    """Megatron's ``no_sync`` around every backward but the last micro-batch's."""
-
-    def __init__(self, config):
-        self.func = config.no_sync_func or contextlib.nullcontext
-        self.context = None
-
-    def disable(self):
-        if self.context is None:
-            self.context = self.func()
-            self.context.__enter__()
-
-    def enable(self):
-        if self.context is not None:
-            self.context.__exit__(None, None, None)
-            self.context = None
-
-
 @functools.lru_cache(maxsize=64)
 def _schedule(mode, p, m, inflight, forward_only, times=None):
     """The schedule the executor runs: ``times``, the (F, B, W) a split schedule places its
@@ -423,39 +372,3 @@ def _inflight(pp, p, m, config, seq_length, micro_batch_size) -> int:
         per = stage_activation_bytes(config, seq_length, micro_batch_size, p)
         return inflight_for_budget(pp.memory_budget_gb, p, m, per)
     return p
-
-
-def _single(x, name):
-    if isinstance(x, list):
-        if len(x) != 1:
-            raise OverlapConfigError("pp.mode", f"runs non-interleaved pipelines: {name} must be one chunk, got {len(x)}")
-        return x[0]
-    return x
-
-
-def _refuse_unsupported(config, rows_known: bool = False) -> None:
-    """``rows_known``: the micro-batches' lengths vary and the HDP loop gave them (module docstring)."""
-    if config.variable_seq_lengths and not rows_known:
-        raise OverlapConfigError("pp.mode", "sends shapes known before the step between stages (fixed, or under "
-                                 "`hdp.enabled` each micro-batch's planned rows); `megatron.variable_seq_lengths` "
-                                 "needs Megatron's own schedule (`pp.mode` megatron)")
-    if config.num_microbatches_with_partial_activation_checkpoints is not None:
-        raise OverlapConfigError("pp.mode", "does not run Megatron's partial activation checkpointing "
-                                 "(`megatron.num_layers_per_virtual_pipeline_stage` aside, "
-                                 "`megatron.num_microbatches_with_partial_activation_checkpoints`): unset it or use "
-                                 "`pp.mode` megatron")
-    if getattr(config, "fine_grained_activation_offloading", False):
-        raise OverlapConfigError("pp.mode", "does not run with fine-grained activation offloading; use `pp.mode` megatron")
-
-
-def _default_collection(run):
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    pgc = ProcessGroupCollection()
-    pgc.tp, pgc.pp, pgc.cp = run.tp_group, run.pp_group, run.cp_group
-    pgc.embd = parallel_state.get_embedding_group(check_initialized=False)
-    pgc.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
-    pgc.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
-    return pgc
-

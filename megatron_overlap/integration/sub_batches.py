@@ -13,9 +13,14 @@ attention computes. ``Attention.forward`` then gets the parts' context rows put 
 computed from them; anything between the two that would change that tensor (an output gate,
 packed THD, recompute, offloading) makes the attention run whole instead, said once.
 
+Without sequence parallelism every rank holds the whole sequence: the parts are row ranges of
+it, the linears take the all-reduce path (``tp/linear_ar.py``), and part j's all-reduces (fc2's
+and the projection's in forward, fc1's dgrad in backward) travel while part j + 1 computes,
+waited after the last part (``Join`` / ``Split``).
+
 Blocks the cut cannot apply to run whole, with a notice saying why: Transformer Engine
-modules, expert MLPs, no sequence parallelism, TP = 1, context parallelism (its attention),
-attention dropout (its RNG stream would be drawn in another order).
+modules, expert MLPs, TP = 1, context parallelism (its attention), attention dropout (its RNG
+stream would be drawn in another order).
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ def _cut(inst, what: str, why, hidden_states, row) -> bool:
     which is an error when training and a notice (the block runs whole) without gradients."""
     n = inst.config.tp.sub_batches
     if why is None:
-        why = check_rows(hidden_states.shape[0], n, inst.config.tp.chunks, row.tp_group.size())
+        chunks = inst.config.tp.chunks if row.sequence_parallel else 0  # an all-reduce's pieces fit any part
+        why = check_rows(hidden_states.shape[0], n, chunks, row.tp_group.size())
         if why is not None and torch.is_grad_enabled():
             raise OverlapConfigError("tp.sub_batches", why)
     if why is not None:
@@ -99,8 +105,8 @@ def _stock_reason(block, args, kwargs):
     if any(a is not None for a in args) or kwargs.get("per_token_scale") is not None:
         return "an expert MLP with per-token scales"
     group = fc2.tp_group
-    if group is None or group.size() == 1 or not fc2.sequence_parallel or fc2.explicit_expert_comm:
-        return "no tensor-parallel communication with sequence parallelism to overlap"
+    if group is None or group.size() == 1 or fc2.explicit_expert_comm:
+        return "no tensor-parallel communication to overlap"
     if not fc2.skip_bias_add:
         return "its fc2 adds its bias inside"
     if any(hasattr(m.weight, "__fsdp_param__") for m in (fc1, fc2)):
@@ -143,7 +149,7 @@ def _core_forward(inst, original):
             return original(self, query, key, value, attention_mask, *args, **kwargs)
         inst.attention_block = None
         proj, total = block.linear_proj, query.shape[0]
-        size = proj.tp_group.size()
+        size = proj.tp_group.size() if proj.sequence_parallel else 1  # without SP: row ranges of the sequence
         sub = SubBatches(proj.tp_group, split_sizes(total // size, n), row=proj)
         sub.gather_whole_early = True  # the parts' attention backwards run between the first projection's and QKV
         mask = attention_mask if attention_mask is not None else _causal_mask(self, total, key.shape[0], query.device)
@@ -217,8 +223,8 @@ def _attention_stock_reason(inst, block, bound):
     if softmax.scaled_masked_softmax_fusion and softmax.input_in_float16:
         return "the fused softmax kernels assume the whole square of queries and keys"
     group = block.linear_proj.tp_group
-    if group is None or group.size() == 1 or not block.linear_proj.sequence_parallel:
-        return "no tensor-parallel communication with sequence parallelism to overlap"
+    if group is None or group.size() == 1:
+        return "no tensor-parallel communication to overlap"
     if not block.linear_proj.skip_bias_add:
         return "its linear_proj adds its bias inside"
     if not block.linear_proj.weight.requires_grad or getattr(block.linear_proj, "gtp_remat_size", 1) > 1 or \

@@ -41,7 +41,8 @@ from ..comm import tags, waits
 from ..errors import OverlapConfigError
 from ..pp import build
 from ..pp.schedule import ACT, B, F, POST, RECV, SEND, WAIT, W
-from .schedules import _inflight, _Run, _timed_out
+from .pp_megatron import timed_out
+from .schedules import _inflight, _Run
 
 
 def make_interleaved_executor(inst):
@@ -245,7 +246,7 @@ class _VRun(_Run):
                 sync.disable()
 
     def _finalize(self, force_all_reduce):
-        from .schedules import _default_collection
+        from .pp_megatron import default_collection
 
         config = self.config
         if config.calculate_per_token_loss and self.loss_stage != self.p - 1:
@@ -256,9 +257,9 @@ class _VRun(_Run):
         try:
             config.finalize_model_grads_func(
                 self.models, self.total_tokens if config.calculate_per_token_loss else None,
-                pg_collection=self.pg_collection or _default_collection(self), force_all_reduce=force_all_reduce)
+                pg_collection=self.pg_collection or default_collection(self), force_all_reduce=force_all_reduce)
         except RuntimeError as exc:
-            if not _timed_out(exc):
+            if not timed_out(exc):
                 raise
             raise RuntimeError(f"megatron-overlap pipeline stage {self.stage}: the data-parallel gradient sync after "
                                f"the schedule did not complete (a data-parallel peer is silent or failed): {exc}") from exc
@@ -337,7 +338,7 @@ class _VRun(_Run):
                 raise RuntimeError(
                     f"megatron-overlap pipeline stage {self.stage}: {c} (model chunk {c.chunk}, stage {c.peer}'s "
                     f"chunk {c.peer_chunk}) did not complete ("
-                    f"{'the peer stage is silent or failed: ' if _timed_out(exc) else ''}{exc}); the pipeline "
+                    f"{'the peer stage is silent or failed: ' if timed_out(exc) else ''}{exc}); the pipeline "
                     "group's timeout bounds every wait") from exc
         buf = self.buffers.pop(c)
         key = (c.chunk, c.mb)

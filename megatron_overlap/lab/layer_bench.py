@@ -1,8 +1,9 @@
 """``bench layer``: one whole transformer layer of Megatron's local spec (norm -> QKV Column ->
 causal core attention -> proj Row -> residual -> norm -> fc1 Column -> GeLU -> fc2 Row ->
-residual, SP), and its compute replay: the same GEMMs and attention on this rank's shards with
-plain torch ops and no communication at all (the limit's compute). The rounds are
-``mlp_bench``'s."""
+residual; SP, or all-reduces with ``sequence_parallel=False``), and its compute replay: the same
+GEMMs and attention on this rank's shards with plain torch ops and no communication at all (the
+limit's compute; the norms on the rank's shard with SP, on the whole sequence without). The
+rounds are ``mlp_bench``'s."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ def build_layer(cfg):
     tiny_gpt.init_parallel(cfg.tp, seed=cfg.seed + 1)
     config = TransformerConfig(
         num_layers=1, hidden_size=cfg.hidden, ffn_hidden_size=cfg.ffn, num_attention_heads=cfg.heads,
-        tensor_model_parallel_size=cfg.tp, sequence_parallel=cfg.tp > 1, use_cpu_initialization=True,
+        tensor_model_parallel_size=cfg.tp, sequence_parallel=cfg.tp > 1 and cfg.sequence_parallel,
+        use_cpu_initialization=True,
         add_bias_linear=True, gated_linear_unit=False, activation_func=F.gelu, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
-        persist_layer_norm=False, normalization="LayerNorm",
+        persist_layer_norm=False, normalization="LayerNorm", gradient_accumulation_fusion=cfg.grad_accum_fusion,
     )
     spec = get_gpt_layer_local_spec(normalization="LayerNorm")
     spec.submodules.input_layernorm = tiny_gpt._SPNorm  # SP norms without apex (the lab's shim)
@@ -53,7 +55,8 @@ class LayerReplay:
         self.x = torch.randn(cfg.seq, cfg.micro_batch, cfg.hidden, requires_grad=True)
         self.dy = torch.randn(cfg.seq, cfg.micro_batch, cfg.hidden)
         self.mask = causal_mask(cfg.seq)
-        self.forward_s = self.attention_s = 0.0  # of the last call: its forward, its core attention's forward
+        self.forward_s = self.attention_s = self.pre_attention_s = 0.0  # of the last call: its forward, its core
+        # attention's forward, its norm and QKV GEMM
 
     def _attention(self, qkv):
         s, b = qkv.shape[:2]
@@ -68,11 +71,12 @@ class LayerReplay:
     def __call__(self) -> float:
         import torch.nn.functional as F
 
-        p, h, rows = self.params, self.cfg.hidden, self.cfg.seq // self.cfg.tp
+        p, h, rows = self.params, self.cfg.hidden, self.cfg.rows
         t0 = time.perf_counter()
-        norms = F.layer_norm(self.x[:rows], (h,)).sum()  # the norms run on this rank's shard
+        norms = F.layer_norm(self.x[:rows], (h,)).sum()  # the norms run on this rank's rows (its shard with SP)
         qkv = torch.matmul(self.x, p["qkv"].t()) + p["qkv_b"]
         t1 = time.perf_counter()
+        self.pre_attention_s = t1 - t0  # what precedes the first transfer of a layer without SP
         context = self._attention(qkv)
         self.attention_s = time.perf_counter() - t1
         mid = self.x + torch.matmul(context, p["proj"].t())

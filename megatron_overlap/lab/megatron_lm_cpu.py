@@ -37,6 +37,9 @@ The shims, each for one reason (``shared/third_party/megatron-lm/README.md`` lis
   cannot resume a distributed-optimizer checkpoint otherwise;
 - ``deallocate_pipeline_outputs`` off: freeing a stage's output under an asynchronous gloo send
   sends freed memory (``_keep_pipeline_outputs``);
+- a data loader's iterator built under ``fork_rng``: its one host-side draw (the workers' base
+  seed, on TP rank 0 only) would otherwise shift the generator that also serves as the CUDA one
+  on that rank alone, and the TP ranks' hidden dropout masks would differ (``_host_draws_apart``);
 - ``--lab-init-by-layer`` (taken out before the script sees its arguments): every weight
   matrix drawn again after ``get_model`` from a seed of its place in the whole model (its
   global layer number and its name in the layer), so that two layouts that put a layer on
@@ -50,6 +53,7 @@ Lab code: it patches the world for a test and is never imported by the product.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import runpy
@@ -119,6 +123,27 @@ def apply() -> None:
 
     training.initialize_megatron = initialize_megatron
     _keep_pipeline_outputs(arguments)
+    _host_draws_apart()
+
+
+def _host_draws_apart() -> None:
+    """A data loader's iterator draws its workers' base seed from the default CPU generator, on
+    the ranks that load data only (TP rank 0). On a GPU that leaves the CUDA generator, which
+    draws the hidden dropout masks, alike on every TP rank, as Megatron's replicated activations
+    without sequence parallelism assume; here the two generators are one, so the draw runs under
+    ``fork_rng`` (the CPU state saved and restored around it)."""
+    from torch.utils.data import DataLoader
+
+    original = DataLoader.__iter__
+    if getattr(original, "_host_draws_apart", False):
+        return
+
+    def __iter__(self):
+        with torch.random.fork_rng(devices=[]):
+            return original(self)
+
+    __iter__._host_draws_apart = True
+    DataLoader.__iter__ = __iter__
 
 
 def _recompute_under_cpu_devices(mode) -> None:
@@ -281,18 +306,24 @@ def _freeze_at(spec: str, path: str) -> None:
 
 def _record_losses(path: str) -> None:
     """Wrap ``training_log`` where ``train`` looks it up: the reduced losses of each iteration as
-    Megatron logs them on this rank (``train_step``'s, on the rank Megatron prints from), and the
-    plugin's patched calls, go to ``path.rank<r>`` when the process exits."""
+    Megatron logs them on this rank (``train_step``'s, on the rank Megatron prints from) with the
+    iteration's grad norm, and the plugin's patched calls, go to ``path.rank<r>`` when the process
+    exits."""
     import atexit
 
     import torch.distributed as dist
     from megatron.training import training
 
     losses: list = []
+    grad_norms: list = []  # with each logged loss: the iteration's grad norm (None unless --clip-grad > 0)
     original = training.training_log
+    signature = inspect.signature(original)
 
     def training_log(loss_dict, *args, **kwargs):
         losses.append({k: float(v) for k, v in loss_dict.items()} if loss_dict else {})
+        if loss_dict:
+            norm = signature.bind_partial(loss_dict, *args, **kwargs).arguments.get("grad_norm")
+            grad_norms.append(None if norm is None else float(norm))
         return original(loss_dict, *args, **kwargs)
 
     training.training_log = training_log
@@ -303,7 +334,8 @@ def _record_losses(path: str) -> None:
         inst = find_installation()
         rank = dist.get_rank() if dist.is_initialized() else 0
         with open(f"{path}.rank{rank}", "w") as f:
-            json.dump({"losses": losses, "calls": dict(inst.calls) if inst is not None else {}, "redrawn": _REDRAWN}, f)
+            json.dump({"losses": losses, "grad_norms": grad_norms, "calls": dict(inst.calls) if inst is not None else {},
+                       "redrawn": _REDRAWN}, f)
 
     atexit.register(dump)
 

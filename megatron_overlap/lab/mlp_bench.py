@@ -1,6 +1,7 @@
 """The rank side of ``megatron-overlap bench mlp`` (driver: ``cli/bench_mlp.py``): Megatron's MLP
-block (Column fc1 -> GeLU -> Row fc2, SP), the compute replay that is the limit's compute, and
-one round (replay, stock and plugin on a free link, both on the emulated link) per call."""
+block (Column fc1 -> GeLU -> Row fc2, SP or, with ``sequence_parallel=False``, all-reduces), the
+compute replay that is the limit's compute, and one round (replay, stock and plugin on a free
+link, both on the emulated link) per call."""
 
 from __future__ import annotations
 
@@ -31,10 +32,21 @@ class MLPBench:
     block: str = "mlp"  # or "layer": a whole transformer layer (lab/layer_bench.py)
     heads: int = 8
     seed: int = 0
+    sequence_parallel: bool = True  # False: TP with all-reduces (the plugin's all-reduce path)
+    allreduce_fusion: bool = False  # without SP: also per-op overlap with --overlap-tp-allreduce-fusion
+    # Megatron's gradient_accumulation_fusion (its default where apex exists): weight gradients
+    # accumulated into main_grad, which lets the plugin hold a wgrad GEMM back while a transfer travels
+    grad_accum_fusion: bool = False
 
     @property
     def modes(self) -> tuple:
-        return ("stock", "overlap") + (("sub",) if self.sub_batches > 1 else ())
+        return ("stock", "overlap") + (("sub",) if self.sub_batches > 1 else ()) + (
+            ("fusion",) if self.allreduce_fusion else ())
+
+    @property
+    def rows(self) -> int:
+        """Sequence rows each rank's block takes: its shard with SP, else the whole sequence."""
+        return self.seq // self.tp if self.sequence_parallel else self.seq
 
 
 def _build(cfg: MLPBench):
@@ -52,12 +64,13 @@ def _build(cfg: MLPBench):
         ffn_hidden_size=cfg.ffn,
         num_attention_heads=8,
         tensor_model_parallel_size=cfg.tp,
-        sequence_parallel=True,
+        sequence_parallel=cfg.sequence_parallel,
         use_cpu_initialization=True,
         add_bias_linear=True,
         gated_linear_unit=False,
         activation_func=F.gelu,
         bias_activation_fusion=False,
+        gradient_accumulation_fusion=cfg.grad_accum_fusion,
     )
     return MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
 
@@ -102,16 +115,21 @@ class MLPBenchRanks:
         from . import layer_bench
 
         self.mlp = _build(cfg) if cfg.block == "mlp" else layer_bench.build_layer(cfg)
-        torch.manual_seed(cfg.seed + 10 + dist.get_rank())
-        self.x = torch.randn(cfg.seq // cfg.tp, cfg.micro_batch, cfg.hidden, requires_grad=True)
-        self.dy = torch.randn(cfg.seq // cfg.tp, cfg.micro_batch, cfg.hidden)
+        # with SP each rank holds its own rows; without it the block's input (and its gradient) is
+        # replicated over the TP group, as Megatron's layers assume
+        torch.manual_seed(cfg.seed + 10 + (dist.get_rank() if cfg.sequence_parallel else 0))
+        self.x = torch.randn(cfg.rows, cfg.micro_batch, cfg.hidden, requires_grad=True)
+        self.dy = torch.randn(cfg.rows, cfg.micro_batch, cfg.hidden)
         self.replay = _ComputeReplay(self.mlp, cfg) if cfg.block == "mlp" else layer_bench.LayerReplay(self.mlp, cfg)
         self.mask = layer_bench.causal_mask(cfg.seq)
-        flags = ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(cfg.chunks), "--overlap-tp-rs", cfg.rs]
+        flags = ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(cfg.chunks)]
+        if cfg.sequence_parallel:  # without SP there is no reduce-scatter to choose (but the fusion's)
+            flags += ["--overlap-tp-rs", cfg.rs]
         if cfg.bidirectional:
             flags.append("--overlap-tp-bidirectional")
         parse = megatron_overlap.overlap_parser().parse_args
-        self.args = {"overlap": parse(flags), "sub": parse(flags + ["--overlap-tp-sub-batches", str(cfg.sub_batches)])}
+        self.args = {"overlap": parse(flags), "sub": parse(flags + ["--overlap-tp-sub-batches", str(cfg.sub_batches)]),
+                     "fusion": parse(flags + ["--overlap-tp-rs", cfg.rs, "--overlap-tp-allreduce-fusion"])}
 
         # Bytes per step, counted on a free link; compute from a few replays. Same link for all.
         with EmulatedLink(LinkSpec(bandwidth_GBps=1e6, latency_us=0.0)) as probe:
@@ -136,6 +154,10 @@ class MLPBenchRanks:
     def _step(self, after_forward=None):
         self.mlp.zero_grad(set_to_none=True)
         self.x.grad = None
+        if self.cfg.grad_accum_fusion:  # as Megatron's DDP hands them to the linears: fp32, zeroed each step
+            for p in self.mlp.parameters():
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+                p.grad_added_to_main_grad = False
         if self.cfg.block == "mlp":
             out, bias = self.mlp(self.x)
             y = out + bias
@@ -156,6 +178,7 @@ class MLPBenchRanks:
             self.spec = self.link.spec = self._spec(self.warm_compute)
         record = {"compute_s": self.replay(), "compute_forward_s": self.replay.forward_s,
                   "compute_attention_s": getattr(self.replay, "attention_s", 0.0),
+                  "compute_pre_attention_s": getattr(self.replay, "pre_attention_s", 0.0),
                   "forward_bytes_share": self.forward_bytes / self.nbytes}
         if index < self.cfg.warmup:
             self.warm_compute.append(record["compute_s"])
@@ -178,8 +201,9 @@ class MLPBenchRanks:
             stats = self.link.reset()
             megatron_overlap.uninstall()
             if index == 0 and mode in modes:
-                self.grads[mode] = [self.x.grad.clone()] + [p.grad.clone() for p in self.mlp.parameters()
-                                                             if p.grad is not None]
+                self.grads[mode] = [self.x.grad.clone()] + [
+                    (p.main_grad if getattr(p, "grad_added_to_main_grad", False) else p.grad).clone()
+                    for p in self.mlp.parameters() if p.grad is not None]
             record[mode] = {"wall_s": t1 - t0, "forward_s": marks[0][0] - t0, "forward_blocked_s": marks[0][1],
                             "blocked_s": stats.blocked_s,
                             "busy_s": stats.busy_s, "bytes": stats.total_bytes}

@@ -63,14 +63,16 @@ def shape_key(kind: str, rows: int, batch: int, k: int, n: int, dtype: torch.dty
                      f"torch{torch.__version__}", f"mo{megatron_overlap.__version__}"])
 
 
-def candidates(world: int, rows: int, batch: int) -> list:
+def candidates(world: int, rows: int, batch: int, all_reduce: bool = False) -> list:
     """The built-in rule (tapered), then 1, 2 and 4 uniform chunks per rank (where the shard has
-    the rows), each with the ring and, where it differs (TP > 2), the all-to-all reduce-scatter."""
+    the rows), each with the ring and, where it differs (TP > 2), the all-to-all reduce-scatter.
+    ``all_reduce`` (no sequence parallelism; ``rows``: the whole sequence): the same counts per
+    rank, R times as many pieces of the sequence, one all-reduce each (no reduce-scatter to pick)."""
     out = []
     for chunks, taper in ((0, True), (1, False), (2, False), (4, False)):
-        if chunks > rows:
+        if chunks * (world if all_reduce else 1) > rows:
             continue
-        for rs in ("ring", "a2a") if world > 2 else ("ring",):
+        for rs in ("ring", "a2a") if world > 2 and not all_reduce else ("ring",):
             out.append(PlanChoice(chunks, taper, rs))
     return out
 
@@ -157,7 +159,8 @@ class PlanTuner:
             return _time_primitives(kind, x, weight, group, backend, make_plan(choice), self.iterations)
 
         agree = GroupAgreement(group) if world > 1 else None
-        choice, hit = choose(self.cache, key, candidates(world, rows, batch), measure, agree, encode=PlanChoice.key)
+        ar = kind in ("column_ar", "row_ar")
+        choice, hit = choose(self.cache, key, candidates(world, rows, batch, ar), measure, agree, encode=PlanChoice.key)
         if dist.get_rank() == 0:
             logger.warning("megatron-overlap: autotune %s: %s (%s)", key.split("|", 3)[:3], choice.key(),
                            "cached" if hit else "measured")
@@ -171,6 +174,14 @@ def _time_primitives(kind, x, weight, group, backend, plan, iterations) -> float
     gen = private_rng(x.device)
     rand = lambda *shape: torch.randn(shape, dtype=x.dtype, device=x.device, generator=gen)  # noqa: E731
     with torch.no_grad():
+        if kind == "row_ar":  # the one collective of each: the all-reduce after a GEMM (fwd)
+            xs = rand(*x.shape)
+            run = lambda: backend.matmul_all_reduce(xs, weight.t(), group, plan).finish()  # noqa: E731
+            return time_call(run, x.device, repeats=iterations)
+        if kind == "column_ar":  # ... (its dgrad)
+            dy = rand(*x.shape[:-1], weight.shape[0])
+            run = lambda: backend.matmul_all_reduce(dy, weight, group, plan).finish()  # noqa: E731
+            return time_call(run, x.device, repeats=iterations)
         if kind == "column":  # fwd AG(x) @ w^T; bwd RS(dy @ w)
             xs = rand(*x.shape)
             dy = rand(x.shape[0] * size, *x.shape[1:-1], weight.shape[0])

@@ -1,4 +1,5 @@
-"""Model settings the overlapped linears cannot honour. Unknown settings (``None`` in the
+"""Model settings the overlapped linears cannot honour (with sequence parallelism, and without it:
+the all-reduce path). Unknown settings (``None`` in the
 ``ModelContext``) pass: a programmatic install learns them when a layer first runs, and the
 same checks run then, so both entry points fail with the same message."""
 
@@ -27,14 +28,18 @@ def check_tp_model(tp, ctx) -> None:
             "choose one of the two")
     if ctx.tp_size is None or ctx.tp_size == 1:
         return
-    if ctx.sequence_parallel is False:
-        raise OverlapConfigError(
-            "tp.mode", "overlaps the all-gather / reduce-scatter of sequence parallelism, but "
-            f"`megatron.sequence_parallel` is off with TP={ctx.tp_size}; add `megatron.sequence_parallel`")
     if tp.chunks and tp.chunks % ctx.tp_size:
         raise OverlapConfigError(
             "tp.chunks", f"{tp.chunks} is not a multiple of the tensor-parallel size {ctx.tp_size}; "
             f"use {ctx.tp_size}, {2 * ctx.tp_size}, {4 * ctx.tp_size}, ... or 0 to let the plugin choose")
+    if ctx.sequence_parallel is False:
+        _check_without_sp(tp, ctx)
+        return
+    if tp.allreduce_fusion and ctx.sequence_parallel:
+        raise OverlapConfigError(
+            "tp.allreduce_fusion", "splits the all-reduces of tensor parallelism without sequence parallelism, and "
+            "`megatron.sequence_parallel` is on: its linears reduce-scatter and all-gather already (the same "
+            "transformation, with the activations kept sharded); drop `tp.allreduce_fusion`")
     if ctx.seq_length is not None:
         if ctx.seq_length % ctx.tp_size:
             raise OverlapConfigError(
@@ -45,6 +50,36 @@ def check_tp_model(tp, ctx) -> None:
 
             check_chunks_fit(tp.chunks // ctx.tp_size, ctx.seq_length // ctx.tp_size, "tp.chunks",
                              f"{tp.chunks} (over TP {ctx.tp_size})", scale=ctx.tp_size)
+
+
+def _check_without_sp(tp, ctx) -> None:
+    """What cannot run on the all-reduce path (``tp/linear_ar.py``): TP > 1, SP off."""
+    from ..errors import OverlapConfigError
+
+    if tp.mode == "fused":
+        raise OverlapConfigError(
+            "tp.mode", "fused: without `megatron.sequence_parallel` the linears all-reduce, and the fused backend's "
+            "GEMM-reduce-scatter sends its slots only once the whole GEMM kernel has run, so an all-reduce built "
+            "from it would hide nothing; use `tp.mode` p2p (or symm-mem), or add `megatron.sequence_parallel`")
+    if "bidirectional" in tp.explicit:
+        raise OverlapConfigError(
+            "tp.bidirectional", "splits the chunks of a ring in two directions; without `megatron.sequence_parallel` "
+            "each chunk is all-reduced by the backend's collective, with no ring to split; drop it")
+    if "rs" in tp.explicit and not tp.allreduce_fusion:
+        raise OverlapConfigError(
+            "tp.rs", "picks the reduce-scatter after a GEMM; without `megatron.sequence_parallel` the linears "
+            "all-reduce (the backend's collective) and reduce-scatter nothing unless `tp.allreduce_fusion` splits "
+            "the attention output's all-reduce; drop `tp.rs`, or add `tp.allreduce_fusion`")
+    if ctx.seq_length is not None:
+        if tp.allreduce_fusion and ctx.seq_length % ctx.tp_size:
+            raise OverlapConfigError(
+                "megatron.seq_length", f"{ctx.seq_length} is not divisible by the tensor-parallel size {ctx.tp_size}, "
+                "which `tp.allreduce_fusion` needs (its reduce-scatter gives each rank 1/TP of the rows); drop "
+                "`tp.allreduce_fusion`, or pick a sequence length that splits")
+        if tp.chunks:
+            from . import check_chunks_fit
+
+            check_chunks_fit(tp.chunks, ctx.seq_length, "tp.chunks", f"{tp.chunks}")
 
 
 def tp_overlap_applies(tp, ctx) -> bool:

@@ -124,6 +124,15 @@ class WgradOptions:
     grad_output_buffer: Optional[list] = None
     deferral_limit: Optional[int] = None
 
+    def defers(self, grad_output: torch.Tensor) -> bool:
+        """Whether this backward leaves its wgrad to Megatron: the grad-output goes into the
+        buffer while it has room (then the caller computes no wgrad)."""
+        buffer = self.grad_output_buffer
+        if buffer is None or not (self.deferral_limit == 0 or len(buffer) < self.deferral_limit):
+            return False
+        buffer.append(grad_output)
+        return True
+
 
 @dataclass(frozen=True, eq=False)
 class TPComm:
@@ -190,13 +199,7 @@ class ColumnParallelSP(torch.autograd.Function):
         if wgrad.accumulation_fusion:
             weight.main_grad = ctx.main_grad
 
-        wgrad_compute = True
-        buffer = wgrad.grad_output_buffer
-        if buffer is not None:
-            limit = wgrad.deferral_limit
-            if limit == 0 or len(buffer) < limit:
-                buffer.append(grad_output)
-                wgrad_compute = False
+        wgrad_compute = not wgrad.defers(grad_output)
         slot = ctx.slot
         ctx.slot = None
         if wgrad_compute:

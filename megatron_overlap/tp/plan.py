@@ -12,6 +12,10 @@ The planner owns every rule that picks one:
 - ``--overlap-tp-autotune`` / ``--overlap-tp-plan-file`` (:class:`.autotune.PlanTuner`), once per shape;
 - ``--overlap-tp auto``, which is resolved before the planner exists (:func:`resolve_backend`),
   so the planner only ever sees a concrete backend.
+
+Without sequence parallelism (kinds ``column_ar`` / ``row_ar``, ``linear_ar.py``) the pieces cut
+the whole sequence, S rows, not a shard: R times the chunks per rank the same rule gives for
+S / R rows (``--overlap-tp-chunks N``: N uniform pieces), one all-reduce each.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ def chunks_per_rank(tp, tp_size: int, rows_per_rank: int, batch: int = 1) -> int
         return tp.chunks // tp_size
     tokens = rows_per_rank * batch
     return max(1, min(5, tokens // 256 + 1))
+
+
+AR_KINDS = ("column_ar", "row_ar")  # the linears without sequence parallelism (all-reduce path)
 
 
 EXPLICIT_SHAPE = ("chunks", "rs", "bidirectional")  # decomposition flags only p2p (and fused, partly) take
@@ -93,22 +100,32 @@ class TPPlanner:
     def _make(self, chunks: int, taper: bool, rs: str, shard_rows: int) -> TPPlan:
         return TPPlan(pieces=split_pieces(shard_rows, chunks, self.tp.bidirectional, taper=taper), rs_algo=rs)
 
-    def default_plan(self, tp_size: int, shard_rows: int, batch: int) -> TPPlan:
-        """The built-in rule's plan: chosen chunks tapered (short first/last), set ones uniform."""
+    def default_plan(self, tp_size: int, shard_rows: int, batch: int, kind: str = "column") -> TPPlan:
+        """The built-in rule's plan: chosen chunks tapered (short first/last), set ones uniform.
+        For the all-reduce kinds ``shard_rows`` is the whole sequence (module docstring)."""
+        if kind in AR_KINDS:
+            return self._make_ar(chunks_per_rank(self.tp, tp_size, shard_rows // tp_size, batch), not self.tp.chunks,
+                                 tp_size, shard_rows)
         chunks = chunks_per_rank(self.tp, tp_size, shard_rows, batch)
         return self._make(chunks, not self.tp.chunks, self.tp.rs_algo, shard_rows)
 
+    def _make_ar(self, chunks_per_rank_: int, taper: bool, tp_size: int, rows: int) -> TPPlan:
+        pieces = split_pieces(rows, max(1, min(rows, chunks_per_rank_ * tp_size)), taper=taper)
+        return TPPlan(pieces=pieces, rs_algo=self.tp.rs_algo)
+
     def plan(self, kind: str, x: torch.Tensor, weight: torch.Tensor, group, shard_rows: int) -> TPPlan:
-        """The plan of a ``kind`` (``column`` | ``row``) linear with input ``x`` and ``weight`` on
-        TP group ``group`` whose shard has ``shard_rows`` sequence rows; decided once per shape."""
+        """The plan of a ``kind`` (``column`` | ``row``, or without sequence parallelism ``column_ar``
+        | ``row_ar``) linear with input ``x`` and ``weight`` on TP group ``group`` whose shard has
+        ``shard_rows`` sequence rows (the all-reduce kinds: the whole sequence's); decided once per
+        shape."""
         size, batch = group.size(), tokens_per_row(x)
         key = (kind, id(group), size, shard_rows, batch, tuple(weight.shape), x.dtype, x.device)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self.default_plan(size, shard_rows, batch)
+            plan = self.default_plan(size, shard_rows, batch, kind)
             choice = self._tuned(kind, x, weight, group, shard_rows)
             if choice is not None:
-                plan = self._from_choice(choice, size, shard_rows, batch)
+                plan = self._from_choice(choice, size, shard_rows, batch, kind)
             self._plans[key] = plan
         return plan
 
@@ -116,10 +133,13 @@ class TPPlanner:
         if self.tuner is None or self.backend.name == "symm-mem":  # symm-mem chooses its own chunking
             return None
         size, batch = group.size(), tokens_per_row(x)
-        make = lambda c: self._from_choice(c, size, shard_rows, batch)  # noqa: E731
+        make = lambda c: self._from_choice(c, size, shard_rows, batch, kind)  # noqa: E731
         return self.tuner.choose(kind, x, weight, group, shard_rows, self.backend, make)
 
-    def _from_choice(self, choice, size: int, shard_rows: int, batch: int) -> TPPlan:
+    def _from_choice(self, choice, size: int, shard_rows: int, batch: int, kind: str = "column") -> TPPlan:
+        if kind in AR_KINDS:
+            chunks = chunks_per_rank(self.tp, size, shard_rows // size, batch) if choice.chunks == 0 else choice.chunks
+            return self._make_ar(chunks, choice.taper, size, shard_rows)
         chunks = chunks_per_rank(self.tp, size, shard_rows, batch) if choice.chunks == 0 else choice.chunks
         return self._make(chunks, choice.taper, "a2a" if self.backend.name == "fused" else choice.rs, shard_rows)
 

@@ -48,7 +48,7 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
         shape = dict(chunks=chunks, rs=rs) if name == "p2p" else {}
         allowed = [Strategy("megatron")] + [Strategy(name, sub_batches=n, **shape) for n in counts]
     else:
-        allowed = [s for s in plan_candidates(run) if s.sub_batches in counts and (
+        allowed = [s for s in plan_candidates(run) if s.sub_batches in counts and not s.allreduce_fusion and (
             s.name == "megatron" or s.name == "p2p" or (s.name == "symm-mem" and symm_mem_usable))]
     from .planner import UnbuildableError
 
@@ -72,7 +72,8 @@ def _model_and_run(args):
                       gated=bool(getattr(args, "swiglu", False)))
     run = RunSpec(tp=args.tensor_model_parallel_size, cp=getattr(args, "context_parallel_size", 1) or 1,
                   pp=getattr(args, "pipeline_model_parallel_size", 1) or 1, seq=args.seq_length,
-                  micro_batch=getattr(args, "micro_batch_size", 1) or 1)
+                  micro_batch=getattr(args, "micro_batch_size", 1) or 1,
+                  sequence_parallel=getattr(args, "sequence_parallel", True) is not False)
     return model, run
 
 

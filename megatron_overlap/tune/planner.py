@@ -3,8 +3,9 @@
 Candidates: stock Megatron; ``p2p`` with the plugin's own chunk rule and with 1, 2, 4, 8
 uniform chunks per rank, each with ``ring`` and (for TP > 2, where they differ) ``a2a``
 reduce-scatter; ``symm-mem``; ``fused``; ``p2p`` (the plugin's chunk rule) with 2 and 3
-sub-batches and ``symm-mem`` with 2 (``tune/sub_batches.py``). Each is simulated (``simulate.simulate``); those that
-cannot run the configuration are listed with the reason.
+sub-batches and ``symm-mem`` with 2 (``tune/sub_batches.py``); without sequence parallelism the
+all-reduce path's (``ring`` only) and the all-reduce fusion with ``p2p`` and ``symm-mem``. Each is
+simulated (``simulate.simulate``); those that cannot run the configuration are listed with the reason.
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ from .strategies import Strategy
 
 
 def candidates(run: RunSpec) -> list[Strategy]:
+    """Without SP the linears all-reduce: no reduce-scatter to choose (``ring`` only), and the
+    all-reduce fusion with p2p and symm-mem joins."""
     out = [Strategy("megatron")]
+    sp = run.sequence_parallel
     for chunks in (0, 1, 2, 4, 8):
-        for rs in ("ring", "a2a") if run.tp > 2 else ("ring",):
+        for rs in ("ring", "a2a") if run.tp > 2 and sp else ("ring",):
             out.append(Strategy("p2p", chunks=chunks, rs=rs))
     out += [Strategy("symm-mem"), Strategy("fused")]
     out += [Strategy("p2p", sub_batches=n) for n in (2, 3)] + [Strategy("symm-mem", sub_batches=2)]
+    if not sp:
+        out += [Strategy("p2p", allreduce_fusion=True), Strategy("symm-mem", allreduce_fusion=True)]
     return out
 
 
@@ -90,7 +96,7 @@ def make_plan(model: ModelSpec, run: RunSpec, hw, strategies: list = None) -> Pl
 def describe_run(run: RunSpec) -> str:
     what = {"train": "training (fwd + bwd)", "prefill": f"inference prefill ({run.seq} tokens)",
             "decode": f"inference decode (1 new token per sequence, {run.seq} cached)"}[run.phase]
-    layout = f"TP={run.tp} CP={run.cp} PP={run.pp} DP={run.dp}"
+    layout = f"TP={run.tp}{'' if run.sequence_parallel or run.tp == 1 else ' without SP'} CP={run.cp} PP={run.pp} DP={run.dp}"
     batch = f"micro-batch {run.micro_batch}" + (f" x {run.micro_batches}" if run.training else "")
     return f"{layout}, seq {run.seq}, {batch}, {what}"
 
@@ -140,7 +146,8 @@ def plan_json(plan: Plan) -> dict:
     return {
         "hardware": plan.hardware.name,
         "model": plan.model.name,
-        "config": {"tp": plan.run.tp, "cp": plan.run.cp, "pp": plan.run.pp, "dp": plan.run.dp, "seq": plan.run.seq,
+        "config": {"tp": plan.run.tp, "sequence_parallel": plan.run.sequence_parallel, "cp": plan.run.cp,
+                   "pp": plan.run.pp, "dp": plan.run.dp, "seq": plan.run.seq,
                    "micro_batch": plan.run.micro_batch, "micro_batches": plan.run.micro_batches,
                    "phase": plan.run.phase},
         "strategies": [r.as_dict() for r in plan.ranked],

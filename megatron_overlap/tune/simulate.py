@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from .comm import all_gather_ms, p2p_ms, reduce_scatter_ms
 from .engine import Graph, Schedule, schedule
-from .layer_ops import Linear, embedding_ops, head_ops, transformer_layer_ops
+from .layer_ops import Elementwise, Linear, embedding_ops, head_ops, transformer_layer_ops
 from .models import ModelSpec, RunSpec
 from .strategies import Ctx, Strategy, default_chunks_per_rank, linear_bwd, linear_fwd, other_bwd, other_fwd
 
@@ -84,8 +84,15 @@ def simulate_ops(ops: list, ctx: Ctx, training: bool) -> OpsResult:
         from . import sub_batches
 
         ready = sub_batches.forward(g, ctx, ops, n)
-    for op in ops if n == 1 else ():
+    index = 0
+    while n == 1 and index < len(ops):
+        op = ops[index]
+        if _fusable(ctx, ops, index):  # proj, residual+norm, fc1 as the all-reduce fusion runs them
+            ready = _fused_forward(g, ctx, ops[index:index + 3], ready)
+            index += 3
+            continue
         ready = linear_fwd(g, ctx, op, ready) if isinstance(op, Linear) else other_fwd(g, ctx, op, ready)
+        index += 1
     g.compute("end", 0.0, ready)  # the next layer needs the output: trailing transfers count as exposed
     fwd_tasks = g.tasks
     fwd = schedule(g, sm)
@@ -112,14 +119,50 @@ def simulate_ops(ops: list, ctx: Ctx, training: bool) -> OpsResult:
     return OpsResult(fwd, schedule(gb, sm), fwd_tasks, gb.tasks)
 
 
+def _fusable(ctx: Ctx, ops: list, index: int) -> bool:
+    """``ops[index:index + 3]`` is the attention projection, the residual + norm and fc1, and the
+    all-reduce fusion runs them (``--overlap-tp-allreduce-fusion``, no SP, TP > 1)."""
+    if not ctx.strategy.allreduce_fusion or ctx.sequence_parallel or ctx.tp == 1 or index + 2 >= len(ops):
+        return False
+    a, b, c = ops[index:index + 3]
+    return isinstance(a, Linear) and a.kind == "row" and isinstance(b, Elementwise) and \
+        isinstance(c, Linear) and c.kind == "column"
+
+
+def _fused_forward(g: Graph, ctx: Ctx, ops: list, ready: list) -> list:
+    """The fusion (``tp/allreduce_fusion.py``): the projection's GEMM-RS (the backend's), the
+    residual add on this rank's T / R tokens (3/5 of ``residual+norm``'s traffic), then a ring
+    all-gather of the sum whose pieces feed the norm (2/5, per piece) and fc1's GEMM."""
+    from .strategies import _ring_gather_consume, _ring_reduce_scatter
+    from .transfers import copies_reduce
+
+    proj, residual, fc1 = ops
+    R, T, d = ctx.tp, ctx.tokens, ctx.d
+    partial_of = lambda m: ctx.gemm(m, proj.n, proj.k / R)  # noqa: E731
+    if ctx.strategy.name == "p2p":
+        h = _ring_reduce_scatter(g, ctx, "proj fwd", ready, proj.n, partial_of, ctx.pieces(), ctx.strategy.rs)
+    else:
+        h = copies_reduce(g, ctx, "proj fwd", ready, proj.n, partial_of)
+    o = g.compute("bias+dropout+residual (shard)", 0.6 * residual.fwd_ms / R, [h])
+    consume = lambda m: 0.4 * residual.fwd_ms * m / T + ctx.gemm(m, fc1.n / R, fc1.k)  # noqa: E731
+    last, _ = _ring_gather_consume(g, ctx, "fc1 fwd (fused AG)", [o], proj.n * d, consume, ctx.pieces())
+    return [last]
+
+
 def not_applicable(run: RunSpec, hw, strategy: Strategy) -> str:
     """Why ``strategy`` cannot run this configuration ('' when it can)."""
     if strategy.name == "megatron":
         return ""
     if run.tp == 1:
         return "TP=1: nothing to overlap"
-    if run.tokens % run.tp:
-        return f"{run.tokens} token(s) per micro-batch do not split over TP={run.tp} (sequence parallelism needs it)"
+    sp = run.sequence_parallel
+    if not sp and strategy.name == "fused":
+        return "without SP its GEMM-reduce-scatter hides nothing (refused)"
+    if run.tokens % run.tp and (sp or strategy.name == "symm-mem" or strategy.allreduce_fusion):
+        why = "sequence parallelism" if sp else "its reduce-scatter"
+        return f"{run.tokens} token(s) per micro-batch do not split over TP={run.tp} ({why} needs it)"
+    if strategy.allreduce_fusion and (sp or run.cp > 1):
+        return "the all-reduce fusion needs TP without SP and CP = 1"
     rows = run.tokens // run.micro_batch // run.tp if run.phase != "decode" else run.tokens // run.tp
     if strategy.sub_batches > 1 and (run.phase == "decode" or rows // strategy.sub_batches < max(1, strategy.chunks)):
         return f"{strategy.sub_batches} sub-batches of {rows} rows per rank leave too few rows per part"
@@ -157,7 +200,8 @@ def _spans(res: OpsResult) -> list:
 
 
 def simulate(model: ModelSpec, run: RunSpec, hw, strategy: Strategy) -> StrategyResult:
-    result = StrategyResult(strategy, strategy.label(), strategy.flags(run.tp), applicable=False)
+    result = StrategyResult(strategy, strategy.label(run.sequence_parallel),
+                            strategy.flags(run.tp, run.sequence_parallel), applicable=False)
     result.reason = not_applicable(run, hw, strategy)
     if result.reason:
         return result

@@ -26,6 +26,16 @@
 ``flux`` (the published Flux design, for the published-vs-predicted table only; no flag selects
     it): tiles wait on chunk arrivals by copy engine (AG) or push their partial tiles to the
     owner from the epilogue (RS): max(GEMM, transfer + fill) on both sides.
+
+Without sequence parallelism (``RunSpec.sequence_parallel`` False; ``tp/linear_ar.py``):
+``megatron`` runs the Row forward's GEMM then a blocking all-reduce, and the Column backward's
+dgrad GEMM then an async all-reduce beside its wgrad; ``p2p`` cuts both GEMMs into row pieces of
+the whole sequence (the plugin's chunk rule times R, tapered) and all-reduces each piece as it is
+done (the Column's wgrad after its last piece); ``symm-mem`` runs its fused reduce-scatter, then
+an all-gather (the Column's beside its wgrad); ``fused`` does not run there. ``allreduce_fusion``
+(p2p, symm-mem): the attention projection's all-reduce as the backend's reduce-scatter, the
+residual add on T / R tokens, and a ring all-gather whose pieces feed the pre-MLP norm and fc1's
+GEMM (``simulate.simulate_ops``); its backward is stock's.
 """
 
 from __future__ import annotations
@@ -33,11 +43,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .comm import all_gather_cost, all_reduce_cost, p2p_cost, reduce_scatter_cost, transfer_cost
+from .comm import all_gather_cost, all_reduce_cost, p2p_cost, reduce_scatter_cost
 from .engine import Graph
 from .gemm import elementwise_ms, gemm_ms
 from .layer_ops import Attention, Elementwise, Exchange, Linear
 from .measured import fused_slowdown
+from .transfers import (chunked_all_reduce, copies_consume, copies_reduce, fused_gather, fused_reduce,
+                        reduce_then_gather)
 
 STRATEGIES = ("megatron", "p2p", "symm-mem", "fused", "flux")
 
@@ -51,6 +63,7 @@ class Strategy:
     fused_fill_chunks: int = 4
     fused_slowdown: Optional[float] = None  # None: measured for fused, 0 for flux (the paper's kernels)
     sub_batches: int = 1  # p2p / symm-mem: attention and MLP blocks cut into this many row parts (simulate.py)
+    allreduce_fusion: bool = False  # p2p / symm-mem without SP: --overlap-tp-allreduce-fusion
 
     def __post_init__(self):
         if self.name not in STRATEGIES:
@@ -59,6 +72,8 @@ class Strategy:
             raise ValueError(f"invalid p2p options: chunks {self.chunks}, rs {self.rs!r}")
         if self.sub_batches < 1 or (self.sub_batches > 1 and self.name not in ("p2p", "symm-mem")):
             raise ValueError(f"sub-batches {self.sub_batches} with {self.name}: p2p and symm-mem only")
+        if self.allreduce_fusion and (self.name not in ("p2p", "symm-mem") or self.sub_batches > 1):
+            raise ValueError(f"the all-reduce fusion with {self.name} x{self.sub_batches}: p2p and symm-mem, whole blocks")
 
     @property
     def slowdown(self) -> float:
@@ -67,25 +82,34 @@ class Strategy:
             return self.fused_slowdown
         return fused_slowdown() if self.name == "fused" else 0.0
 
-    def label(self) -> str:
+    def label(self, sequence_parallel: bool = True) -> str:
         cut = f" x{self.sub_batches} sub-batches" if self.sub_batches > 1 else ""
+        cut += " + AR fusion" if self.allreduce_fusion else ""
         if self.name != "p2p":
             return self.name + cut
-        return f"p2p {'auto' if self.chunks == 0 else self.chunks}/rank {self.rs}{cut}"
+        rs = f" {self.rs}" if sequence_parallel or self.allreduce_fusion else ""  # without SP: no RS but the fusion's
+        return f"p2p {'auto' if self.chunks == 0 else self.chunks}/rank{rs}{cut}"
 
-    def flags(self, tp: int) -> str:
+    def flags(self, tp: int, sequence_parallel: bool = True) -> str:
         """The megatron-overlap flags that select this plan (chunks counted over the TP group),
-        as the config layer spells them."""
+        as the config layer spells them (without SP, no ``--overlap-tp-rs`` but the fusion's)."""
         from ..config import OverlapConfig, TPConfig
 
         if self.name == "flux":
             return "(Flux itself: no megatron-overlap flag)"
         if self.name == "p2p":
-            return " ".join(OverlapConfig(tp=TPConfig(mode="p2p", chunks=self.chunks * tp, rs=self.rs,
-                                                      sub_batches=self.sub_batches)).as_flags())
+            flags = OverlapConfig(tp=TPConfig(mode="p2p", chunks=self.chunks * tp, rs=self.rs,
+                                              sub_batches=self.sub_batches,
+                                              allreduce_fusion=self.allreduce_fusion)).as_flags()
+            if not sequence_parallel and not self.allreduce_fusion:
+                from ..args import flag_for
+
+                i = flags.index(flag_for("tp.rs"))
+                flags = flags[:i] + flags[i + 2:]
+            return " ".join(flags)
         mode = "off" if self.name == "megatron" else self.name
-        return " ".join(OverlapConfig(tp=TPConfig(mode=mode, sub_batches=self.sub_batches)).as_flags()[:4 if
-                                                                                                   self.sub_batches > 1 else 2])
+        return " ".join(OverlapConfig(tp=TPConfig(mode=mode, sub_batches=self.sub_batches,
+                                                  allreduce_fusion=self.allreduce_fusion)).as_flags())
 
 
 def default_chunks_per_rank(rows_per_rank: int, batch: int = 1) -> int:
@@ -140,6 +164,13 @@ class Ctx:
         chunks = s.chunks or default_chunks_per_rank(self.rows, self.batch)
         return [r * self.batch for r in piece_rows(self.rows, chunks, taper=s.chunks == 0)]
 
+    def ar_pieces(self) -> list[int]:
+        """Token counts of the row pieces of the whole sequence the all-reduce path cuts a GEMM
+        into (``tp.plan.TPPlanner._make_ar``: R times the chunks per rank, at most one per row)."""
+        s, rows = self.strategy, self.rows * self.tp
+        chunks = min(rows, (s.chunks or default_chunks_per_rank(self.rows, self.batch)) * self.tp)
+        return [r * self.batch for r in piece_rows(rows, chunks, taper=s.chunks == 0)]
+
 
 # ------------------------------------------------------------------ shared building blocks
 
@@ -185,77 +216,6 @@ def _ring_reduce_scatter(g: Graph, ctx: Ctx, name, ready, n_out, partial_of, pie
     return last
 
 
-def _copies_consume(g, ctx, name, ready, shard_bytes, gemm_of):
-    """Async-TP all-gather: R-1 copy-engine copies of whole shards, a GEMM per shard as it lands."""
-    copies = [g.transfer(f"{name} copy", p2p_cost(shard_bytes, ctx.link), ready) for _ in range(ctx.tp - 1)]
-    last = g.compute(f"{name} own", gemm_of(ctx.tokens / ctx.tp), ready, contended=True)
-    for c in copies:
-        last = g.compute(f"{name} shard", gemm_of(ctx.tokens / ctx.tp), [c], contended=True)
-    return last
-
-
-def _copies_reduce(g, ctx, name, ready, n_out, partial_of):
-    """Async-TP reduce-scatter: a partial per peer pushed by copy engine, then a local reduce."""
-    s, copies = ctx.tokens / ctx.tp, []
-    for _ in range(ctx.tp - 1):
-        p = g.compute(f"{name} partial", partial_of(s), ready, contended=True)
-        copies.append(g.transfer(f"{name} copy", p2p_cost(s * n_out * ctx.d, ctx.link), [p]))
-    own = g.compute(f"{name} own", partial_of(s), ready, contended=True)
-    reduce_ms = elementwise_ms((ctx.tp + 1) * s * n_out * ctx.d, ctx.hw)
-    return g.compute(f"{name} reduce", reduce_ms, [own, *copies])
-
-
-def _fill(ctx, gemm_of) -> float:
-    return gemm_of(ctx.tokens / (ctx.tp * ctx.strategy.fused_fill_chunks))
-
-
-def _flux_gather(g, ctx, name, ready, total_bytes, gemm_of):
-    s = ctx.strategy
-    # peers' shards come straight from their owners (no ring): the port pipelines the copies
-    ag = g.transfer(f"{name} AG (CE)", transfer_cost(total_bytes * (ctx.tp - 1) / ctx.tp, ctx.link), ready)
-    whole, fill = gemm_of(ctx.tokens) * (1 + s.slowdown), _fill(ctx, gemm_of)
-    main = g.compute(f"{name} fused", whole - fill, ready)
-    return g.compute(f"{name} fused tail", fill, [main, ag])
-
-
-def _flux_reduce(g, ctx, name, ready, n_out, gemm_of, after=None):
-    s = ctx.strategy
-    whole, fill = gemm_of(ctx.tokens) * (1 + s.slowdown), _fill(ctx, gemm_of)
-    head = g.compute(f"{name} fused", fill, ready)
-    partials = ctx.tokens * n_out * ctx.d * (ctx.tp - 1) / ctx.tp  # tiles pushed straight to their owners
-    rs = g.transfer(f"{name} RS (epilogue)", transfer_cost(partials, ctx.link), [head])
-    main = g.compute(f"{name} fused", whole - fill, [head])
-    beside = [after(main)] if after is not None else []
-    reduce_ms = elementwise_ms((ctx.tp + 1) * ctx.tokens / ctx.tp * n_out * ctx.d, ctx.hw)
-    return g.compute(f"{name} reduce", reduce_ms, [main, rs, *beside])
-
-
-def _fused_gather(g, ctx, name, ready, total_bytes, gemm_of):
-    if ctx.strategy.name == "flux":
-        return _flux_gather(g, ctx, name, ready, total_bytes, gemm_of)
-    s = ctx.strategy
-    # the P2P ring (NCCL, on SMs) fills the gathered buffer; the kernel reads chunks as they land
-    ag = g.transfer(f"{name} AG (ring)", transfer_cost(total_bytes * (ctx.tp - 1) / ctx.tp, ctx.link), ready,
-                    sm_comm=ctx.sm)
-    whole, fill = gemm_of(ctx.tokens) * (1 + s.slowdown), _fill(ctx, gemm_of)
-    main = g.compute(f"{name} fused", whole - fill, ready, contended=True)
-    return g.compute(f"{name} fused tail", fill, [main, ag])
-
-
-def _fused_reduce(g, ctx, name, ready, n_out, gemm_of, after=None):
-    """The GEMM kernel fills every owner's slot; the slots' all-to-all starts when it ends;
-    ``after(kernel)`` may add work that runs beside that all-to-all (the column bwd's wgrad)."""
-    if ctx.strategy.name == "flux":
-        return _flux_reduce(g, ctx, name, ready, n_out, gemm_of, after)
-    s = ctx.strategy
-    main = g.compute(f"{name} fused", gemm_of(ctx.tokens) * (1 + s.slowdown), ready)
-    partials = ctx.tokens * n_out * ctx.d * (ctx.tp - 1) / ctx.tp
-    rs = g.transfer(f"{name} RS (a2a)", transfer_cost(partials, ctx.link), [main], sm_comm=ctx.sm)
-    beside = [after(main)] if after is not None else []
-    reduce_ms = elementwise_ms((ctx.tp + 1) * ctx.tokens / ctx.tp * n_out * ctx.d, ctx.hw)
-    return g.compute(f"{name} reduce", reduce_ms, [main, rs, *beside])
-
-
 # ------------------------------------------------------------------ linears
 
 
@@ -274,11 +234,15 @@ def linear_fwd(g: Graph, ctx: Ctx, op: Linear, ready: list) -> list:
         if s.name == "p2p":
             return [_ring_gather_consume(g, ctx, name, ready, op.k * d, gemm_of, ctx.pieces())[0]]
         if s.name == "symm-mem":
-            return [_copies_consume(g, ctx, name, ready, T / R * op.k * d, gemm_of)]
-        return [_fused_gather(g, ctx, name, ready, T * op.k * d, gemm_of)]
+            return [copies_consume(g, ctx, name, ready, T / R * op.k * d, gemm_of)]
+        return [fused_gather(g, ctx, name, ready, T * op.k * d, gemm_of)]
     gemm_of = lambda m: ctx.gemm(m, op.n, op.k / R)  # noqa: E731
     if R == 1:
         return [g.compute(name, gemm_of(T), ready)]
+    if not ctx.sequence_parallel and s.name == "p2p":
+        return [chunked_all_reduce(g, ctx, name, ready, op.n, gemm_of)]
+    if not ctx.sequence_parallel and s.name == "symm-mem":
+        return [reduce_then_gather(g, ctx, name, ready, op.n, gemm_of)]
     if s.name == "megatron" or not ctx.sequence_parallel:
         y = g.compute(name, gemm_of(T), ready, contended=True)
         if ctx.sequence_parallel:
@@ -287,8 +251,8 @@ def linear_fwd(g: Graph, ctx: Ctx, op: Linear, ready: list) -> list:
     if s.name == "p2p":
         return [_ring_reduce_scatter(g, ctx, name, ready, op.n, gemm_of, ctx.pieces(), s.rs)]
     if s.name == "symm-mem":
-        return [_copies_reduce(g, ctx, name, ready, op.n, gemm_of)]
-    return [_fused_reduce(g, ctx, name, ready, op.n, gemm_of)]
+        return [copies_reduce(g, ctx, name, ready, op.n, gemm_of)]
+    return [fused_reduce(g, ctx, name, ready, op.n, gemm_of)]
 
 
 def linear_bwd(g: Graph, ctx: Ctx, op: Linear, ready: list, prefetch=None, next_column: Linear = None):
@@ -314,14 +278,19 @@ def linear_bwd(g: Graph, ctx: Ctx, op: Linear, ready: list, prefetch=None, next_
             g.compute(f"{name} wgrad", wgrad_ms, [last], contended=True)
             return [last], handle
         if s.name == "symm-mem":
-            last = _copies_consume(g, ctx, f"{name} dgrad", ready, T / R * op.n * d, dgrad_of)
+            last = copies_consume(g, ctx, f"{name} dgrad", ready, T / R * op.n * d, dgrad_of)
         else:
-            last = _fused_gather(g, ctx, f"{name} dgrad", ready, T * op.n * d, dgrad_of)
+            last = fused_gather(g, ctx, f"{name} dgrad", ready, T * op.n * d, dgrad_of)
         g.compute(f"{name} wgrad", wgrad_ms, [last])
         return [last], None
 
     dgrad_of = lambda m: ctx.gemm(m, op.k, op.n / R)  # noqa: E731
     wgrad_ms = ctx.gemm(op.n / R, op.k, T)
+    if R > 1 and not ctx.sequence_parallel and s.name in ("p2p", "symm-mem"):
+        wgrad = lambda last: g.compute(f"{name} wgrad", wgrad_ms, [last], contended=True)  # noqa: E731
+        if s.name == "p2p":
+            return [chunked_all_reduce(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, after=wgrad)], None
+        return [reduce_then_gather(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, after=wgrad)], None
     if R == 1 or not ctx.sequence_parallel:
         dx = g.compute(f"{name} dgrad", dgrad_of(T), ready)
         if R > 1:  # input replicated: the dgrad is all-reduced (async, beside the wgrad)
@@ -342,12 +311,12 @@ def linear_bwd(g: Graph, ctx: Ctx, op: Linear, ready: list, prefetch=None, next_
         w = g.compute(f"{name} wgrad", wgrad_ms, [dx, ag], contended=True)
         return [g.compute(f"{name} wait", 0.0, [w, rs])], None
     if s.name == "symm-mem":
-        dx = _copies_reduce(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of)
+        dx = copies_reduce(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of)
         w = g.compute(f"{name} wgrad", wgrad_ms, [dx, ag], contended=True)
         return [w], None
     # fused: the wgrad runs while the dgrad slots travel, then the reduce
     wgrad = lambda kernel: g.compute(f"{name} wgrad", wgrad_ms, [kernel, ag], contended=True)  # noqa: E731
-    return [_fused_reduce(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, after=wgrad)], None
+    return [fused_reduce(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, after=wgrad)], None
 
 
 # ------------------------------------------------------------------ other ops

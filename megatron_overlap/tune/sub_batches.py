@@ -12,6 +12,9 @@ until every part has run. Backward: the parts in reverse order (autograd runs th
 chain first); each MLP part's fc2 starts its fc1's wgrad-input re-gather, and the projection of
 the part that runs first starts the QKV input's, whole (the parts' attention backwards move
 nothing of their own). A part is the op on T / N tokens: the smaller GEMMs' lower efficiency is ``gemm_ms``'s.
+Without sequence parallelism (``ctx.sequence_parallel`` False) no gather is posted ahead: each
+part's Row forward and Column dgrad all-reduce their row pieces (``transfers.chunked_all_reduce``),
+waited after the last part, and a part's Row backward moves nothing.
 Not modelled: per-part launch or Python overhead; ``symm-mem`` parts finish their
 reduce-scatters in place (only ``p2p`` defers them).
 """
@@ -84,7 +87,7 @@ def forward(g: Graph, ctx: Ctx, ops: list, n: int) -> list:
                     r = [g.compute(f"{op.name} fwd", part.gemm(part.tokens, op.n / ctx.tp, op.k), [ahead, *r],
                                    contended=True)]
                 elif isinstance(op, Linear):
-                    if op.kind == "row" and kind == "mlp" and j + 1 < n:  # posted as this part's fc2 starts
+                    if op.kind == "row" and kind == "mlp" and j + 1 < n and ctx.sequence_parallel:  # posted at fc2
                         ahead = _gather(g, part, f"{block[0].name} fwd", part.tokens * block[0].k, r)
                     r = linear_fwd(g, part, op, r)
                 else:
@@ -125,6 +128,8 @@ def _part_backward(g, part, kind, block, column, j, n, ready, prefetch, state):
         op = _part_op(op, n)
         if not isinstance(op, Linear):
             r = other_bwd(g, part, op, r)
+        elif op.kind == "row" and not part.sequence_parallel:  # no communication in a Row backward without SP
+            r, _ = linear_bwd(g, part, op, r)
         elif op.kind == "row":
             last = kind == "attention" and j == n - 1  # the first part to run starts the whole QKV re-gather
             r, handle = _row_backward(g, part, op, r, state, column if kind == "mlp" or last else None,

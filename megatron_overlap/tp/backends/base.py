@@ -4,6 +4,12 @@
                                                             AG(x_shard) [R*s, ..., k] if asked)
     matmul_reduce_scatter(x [R*s, ..., k], weight_t)     -> pending; .finish() -> RS(x @ weight_t) [s, ..., n]
 
+Without sequence parallelism (``..linear_ar``) a third op, composed from the second by default:
+
+    matmul_all_reduce(x [S, ..., k], weight_t)           -> pending; .finish() -> AR(x @ weight_t) [S, ..., n]
+                                                            = AG(RS(x @ weight_t)): the backend's GEMM-RS,
+                                                            then an all-gather of the shard
+
 The autograd functions in :mod:`..linear` compose them: Column forward and Row backward
 gather-then-multiply, Row forward and Column backward multiply-then-reduce-scatter (the
 pending form lets the Column backward run its wgrad GEMM before the last hop is waited for).
@@ -12,6 +18,11 @@ Backends differ only in how the data moves and which kernel multiplies:
 - ``p2p``: chunked P2P rings and ``torch.matmul`` per chunk (any device, any backend);
 - ``symm-mem``: PyTorch's symmetric-memory fused ops (:mod:`.symm_mem`);
 - ``fused``: our Triton kernels fed by a transport (:mod:`.fused`).
+
+``p2p`` overrides ``matmul_all_reduce``: row pieces of the GEMM, each all-reduced by the
+backend's collective while the next computes (``..gemm_ar``). ``fused`` does not offer it
+(``ALL_REDUCE``): its GEMM-RS sends its slots only once the whole kernel has run, so an
+all-reduce built from it would hide nothing.
 
 ``plan`` is a :class:`..plan.TPPlan` (pieces, reduce-scatter algorithm).
 """
@@ -40,6 +51,7 @@ class TPBackend(abc.ABC):
     """Interface; see the module docstring."""
 
     name = "?"
+    ALL_REDUCE = True  # whether the all-reduce path (no sequence parallelism) runs on this backend
 
     def check(self, x: torch.Tensor) -> None:
         """Refuse (an ``OverlapConfigError`` on ``tp.mode``) tensors this backend cannot run."""
@@ -54,6 +66,36 @@ class TPBackend(abc.ABC):
     @abc.abstractmethod
     def matmul_reduce_scatter(self, x, weight_t, group, plan):
         """``RS(x @ weight_t)`` as a pending object whose ``finish()`` returns the shard."""
+
+
+    def matmul_all_reduce(self, x, weight_t, group, plan):
+        """``AR(x @ weight_t)`` as a pending object whose ``finish()`` returns it whole. ``plan``'s
+        pieces cut ``x``'s rows (the whole sequence). Default: this backend's GEMM-RS on the
+        rows' R shards (the plan's chunk count over R per shard), then an all-gather."""
+        from ..plan import TPPlan
+        from ...comm.rings import split_pieces
+
+        size = dist.get_world_size(group)
+        if x.shape[0] % size:
+            refuse(self.name, f"its all-reduce is a reduce-scatter and an all-gather, and the {x.shape[0]} sequence "
+                   f"rows do not split over the {size} tensor-parallel ranks")
+        shard = TPPlan(pieces=split_pieces(x.shape[0] // size, max(1, len(plan.pieces) // size)), rs_algo=plan.rs_algo)
+        return GatherAfter(self.matmul_reduce_scatter(x, weight_t, group, shard), group)
+
+
+class GatherAfter:
+    """A pending reduce-scatter whose shard is all-gathered at ``finish``: an all-reduce."""
+
+    def __init__(self, pending, group: dist.ProcessGroup):
+        self._pending, self._group = pending, group
+
+    def finish(self) -> torch.Tensor:
+        from ...comm.collectives import all_gather_into
+
+        shard = self._pending.finish().contiguous()
+        out = gathered_buffer(shard, self._group)
+        all_gather_into(out, shard, self._group)
+        return out
 
 
 def refuse(backend: str, why: str, instead: str = "use `tp.mode` p2p (any device, any backend)"):

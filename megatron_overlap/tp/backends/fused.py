@@ -66,6 +66,7 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 class FusedBackend(TPBackend):
     name = "fused"
+    ALL_REDUCE = False  # its slots leave once the whole GEMM kernel ran: an all-reduce from it hides nothing
 
     def __init__(self, reserved_sms: int = 8, configs=None, timeout_s: float = 300.0):
         from ...kernels.ag_gemm import spin_limit
