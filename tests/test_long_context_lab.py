@@ -206,3 +206,19 @@ def test_bench_cp_and_hdp_emulate_command_lines():
     assert out.returncode == 0 and "the planner's pick: ring" in out.stdout, out.stderr[-2000:]
     out = cli("bench", "hdp", "--emulate", "--ranks", "512", "--no-progress")
     assert out.returncode != 0 and "is more than this machine holds" in out.stderr, out.stderr[-2000:]
+
+
+def test_granularity_bound_is_the_longest_sequence_over_the_even_share():
+    """One sequence that no spread makes lighter than the rest's even share holds every plan
+    above perfect balance by the bound; a batch of equal short sequences allows perfect balance
+    (1); the bound times the even share is lower_bound_ms."""
+    from megatron_overlap.hdp.simulate import granularity_bound, lower_bound_ms, options_many
+
+    cost = HdpCostModel()
+    R, C = 8, 4096
+    lumpy = [C] + [64] * 4  # too little else: the long one at its best spread exceeds the even share
+    g = granularity_bound(lumpy, R, C, cost)
+    options = options_many(lumpy, R, C, cost)
+    even = sum(options[L][1] for L in lumpy) / R
+    assert g > 1.0 and g * even == pytest.approx(lower_bound_ms(lumpy, R, C, cost))
+    assert granularity_bound([1024] * 64, R, C, cost) == 1.0

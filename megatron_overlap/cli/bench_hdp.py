@@ -165,6 +165,9 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
     scoring = dataclasses.replace(cost, microbatch_overhead_ms=overhead_ms)
     square = SquareWorkload(gpus_per_node=cost.gpus_per_node)
     bounds = [lower_bound_ms(lens, ranks, capacity_tokens, scoring) for lens in batches]
+    from ..hdp.simulate import granularity_bound
+
+    granularity = [granularity_bound(lens, ranks, capacity_tokens, scoring) for lens in batches]
     square_bounds = [lower_bound_ms(lens, ranks, capacity_tokens, square) for lens in batches]
     plans = {name: [] for name in SCHEDULER_NAMES}
     errors = {name: [] for name in SCHEDULER_NAMES}
@@ -210,6 +213,8 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
         out[name]["schedule_ms_max"] = 1e3 * max(per_step[name])
         out[name]["per_step"]["batch"] = ks
         out[name]["guard_kept_megatron"] = sum(any(n.startswith("guard:") for n in p.notes) for p in plans[name])
+        out[name]["per_step"]["imbalance"] = [p.imbalance(scoring) for p in plans[name]]
+        out[name]["per_step"]["granularity_bound"] = [granularity[k] for k in ks]
     return out
 
 
@@ -237,6 +242,12 @@ def format_table(result: Dict) -> str:
                  f"(simulate.lower_bound_ms); sq. vs bnd: the same plans scored with megatron-core's own model "
                  f"(L^2 / cp, no communication) against its bound; moved: tokens leaving the rank that loaded them "
                  f"(rank i mod R loads sequence i), per step")
+    hdp = result["schedulers"].get("hdp", {}).get("per_step", {})
+    if hdp.get("imbalance"):
+        lines.append("per batch, hdp's imbalance / the granularity bound (simulate.granularity_bound: the longest "
+                     "sequence at its best spread over the even share of the least work; 1.000 = the batch allows "
+                     "perfect balance): " + ", ".join(f"{i:.3f} / {g:.3f}" for i, g in
+                                                       zip(hdp["imbalance"], hdp["granularity_bound"])))
     for name, s in result["schedulers"].items():
         if s.get("failed_steps"):
             lines.append(f"  {name}: failed on {s['failed_steps']} of {cfg['steps']} steps: {s['error'][:200]}")
