@@ -10,7 +10,8 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from megatron_overlap.cp.step_model import CPCase, LayerCosts, candidates, plan_mode, predict, programs, run
+from megatron_overlap.cp.step_model import CPCase, LayerCosts, programs
+from megatron_overlap.cp.step_timing import candidates, plan_mode, predict, run
 from megatron_overlap.hdp.cost import HdpCostModel
 from megatron_overlap.tune.two_tier import TwoTierLink
 

@@ -33,8 +33,8 @@ class BenchError(SystemExit):
 
 
 def variants(cfg: CPLabConfig, cost) -> tuple:
-    """Every candidate of the planner (``cp.step_model.candidates``) and the waited ring."""
-    from ..cp.step_model import candidates
+    """Every candidate of the planner (``cp.step_timing.candidates``) and the waited ring."""
+    from ..cp.step_timing import candidates
 
     return tuple((mode, size, True) for mode, size in candidates(cfg.cp, cost.heads, cost.kv_heads)) + \
         (("ring", 1, False),)
@@ -85,7 +85,8 @@ def check(cfg: CPLabConfig, emulate: bool = True, cores: int = 0, memory_gb: flo
 
 def time_factor(cfg: CPLabConfig, cost, link) -> float:
     """Clock seconds per modelled second so the ring's simulated step lasts ``step_s`` seconds."""
-    from ..cp.step_model import CPCase, predict
+    from ..cp.step_model import CPCase
+    from ..cp.step_timing import predict
 
     ring = predict(CPCase(cfg.seq, cfg.cp, cfg.ranks, "ring", 1, True, cfg.layer_groups), cost, link)
     return cfg.step_s * 1e3 / ring.step_ms
@@ -93,7 +94,8 @@ def time_factor(cfg: CPLabConfig, cost, link) -> float:
 
 def simulate(cfg: CPLabConfig) -> dict:
     """Every variant's prediction on the lab's case, and the planner's pick (per layer)."""
-    from ..cp.step_model import CPCase, plan_mode, predict
+    from ..cp.step_model import CPCase
+    from ..cp.step_timing import plan_mode, predict
 
     cost, link = cost_and_link(cfg)
     out = {}
