@@ -112,7 +112,13 @@ def causal_doc_pairs(q: TokenInfo, k: TokenInfo) -> float:
     return float((upto - start).sum())
 
 
-_CACHE_LIMIT = 256  # specs (and layouts) kept; the cache is emptied when it holds more
+_CACHE_LIMIT = 4096  # layouts kept (and 16 x as many infos); the cache is emptied when it holds more
+
+
+def clear_counts() -> None:
+    """Forget every kept spec and layout (``CountedPackedSpec``, ``CountedPackedLayout``)."""
+    CountedPackedSpec._infos.clear()
+    CountedPackedLayout._states.clear()
 
 
 class CountedPackedSpec(PackedSpec):
