@@ -193,6 +193,25 @@ def test_refusals_name_the_flag():
     with pytest.raises(HdpBenchError, match=r"32 emulated ranks \(--ranks\) is more than this machine holds: at most "
                                             r"16"):
         hdp_check(HDPLabConfig(batches=((1000,),), ranks=32), cores=2, memory_gb=24)
+    with pytest.raises(BenchError, match=r"--rows 1000 \(the emulated rows of the sequence\) must be a multiple of 2 x "
+                                         r"CP = 32 and divide --seq 131072"):
+        check(CPLabConfig(rows=1000), cores=2, memory_gb=24)
+    with pytest.raises(BenchError, match=r"--cp 1: context parallelism needs at least 2 ranks"):
+        check(CPLabConfig(cp=1, ranks=16))
+    with pytest.raises(BenchError, match=r"--inter-GBps must be a finite number >= 0, got -1.0"):
+        check(CPLabConfig(inter_GBps=-1.0))
+    with pytest.raises(BenchError, match=r"--model 'gpt-9': the cost model knows"):
+        check(CPLabConfig(model="gpt-9"))
+    with pytest.raises(BenchError, match=r"--steps must be a whole number >= 1, got 0"):
+        check(CPLabConfig(steps=0))
+    with pytest.raises(HdpBenchError, match=r"--node-size 3 does not divide the 16 ranks into nodes"):
+        hdp_check(HDPLabConfig(batches=((1000,),), node_size=3), cores=2, memory_gb=24)
+    with pytest.raises(HdpBenchError, match=r"--layer-groups 5 does not divide llama3-8b's 32 layers"):
+        hdp_check(HDPLabConfig(batches=((1000,),), layer_groups=5), cores=2, memory_gb=24)
+    with pytest.raises(HdpBenchError, match=r"--schedulers: choose from hdp, static, megatron_balanced, got 'fifo'"):
+        hdp_check(HDPLabConfig(batches=((1000,),), schedulers=("fifo",)), cores=2, memory_gb=24)
+    with pytest.raises(HdpBenchError, match=r"--ranks 1: the emulated cluster needs at least 2 ranks"):
+        hdp_check(HDPLabConfig(batches=((1000,),), ranks=1), cores=2, memory_gb=24)
     with pytest.raises(HdpBenchError, match=r"batch 0: --overlap-hdp-max-tokens-per-rank: sequence 0 has 524290 tokens, more "
                                             r"than the 16 ranks hold at 32768 tokens each"):
         hdp_check(HDPLabConfig(batches=((16 * 32768 + 2,),), ranks=16), cores=2, memory_gb=24)
@@ -207,6 +226,9 @@ def test_bench_cp_and_hdp_emulate_command_lines():
     assert out.returncode == 0 and "the planner's pick: ring" in out.stdout, out.stderr[-2000:]
     out = cli("bench", "hdp", "--emulate", "--ranks", "512", "--no-progress")
     assert out.returncode != 0 and "is more than this machine holds" in out.stderr, out.stderr[-2000:]
+    out = cli("bench", "hdp", "--emulate", "--ranks", "4", "--batch-tokens", "4096", "--steps", "1", "--step-s", "0",
+              "--no-progress")
+    assert out.returncode != 0 and "--step-s must be > 0, got 0.0" in out.stderr, out.stderr[-2000:]
 
 
 def test_granularity_bound_is_the_longest_sequence_over_the_even_share():
