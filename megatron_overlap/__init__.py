@@ -9,8 +9,7 @@ from .args import FLAGS, add_overlap_args, overlap_parser
 from .config import OverlapConfig
 from .errors import MegatronVersionError, OverlapConfigError
 from .integration.install import Installation, active_config, install, is_installed, uninstall
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "FLAGS",

@@ -1,9 +1,10 @@
-"""Command-line flags, and the one map from config fields to flags.
+"""Command-line flags: their types, defaults and help.
 
 ``add_overlap_args`` is usable as Megatron's ``extra_args_provider``. Every flag the plugin adds
 is in ``_FLAGS``, pinned by tests/test_config.py so none appears by accident and none collides
-with Megatron-LM's own. Errors name config fields (``tp.chunks``); :func:`flag_for` is where
-they become flags. Every flag starts ``--overlap-`` and names the parallelism it tunes
+with Megatron-LM's own. Errors name config fields (``tp.chunks``); the one map from fields to
+flags is :mod:`megatron_overlap.flag_names` (a leaf the errors read). Every flag starts
+``--overlap-`` and names the parallelism it tunes
 (``--overlap-tp-*``, ``--overlap-cp-*``, ``--overlap-hdp-*``, ``--overlap-pp-*``); the old
 spellings in ``DEPRECATED`` still work and warn once (:func:`deprecation`). docs/flags.md is
 generated from this table (scripts/flags_doc.py).
@@ -19,6 +20,7 @@ import warnings
 from . import rules
 from .cp import CP_MODES
 from .errors import OverlapConfigError
+from .flag_names import FIELDS, flag_for  # noqa: F401  (flag_for: re-exported, config and the tests read it here)
 from .pp import BUCKETS as PP_BUCKETS, MODES as PP_MODES
 from .tp import RS_ALGOS, TP_MODES, check_chunks
 
@@ -74,8 +76,8 @@ def _pp_mode(text: str) -> str:
 
 # None defaults on the flags that depend on another: they let the config tell "given while
 # that other flag is off" (a conflict) from "not given".
-_FLAGS = (  # (flag, config field, argparse keywords)
-    ("--overlap-tp", "tp.mode", dict(
+_OPTIONS = (  # (config field, argparse keywords); the flags: flag_names.FIELDS
+    ("tp.mode", dict(
         choices=TP_MODES, default="off",
         help="Overlap the tensor-parallel communication of Megatron's ColumnParallelLinear/RowParallelLinear "
         "with their GEMMs: with --sequence-parallel their all-gather/reduce-scatter; without it their all-reduces "
@@ -84,22 +86,22 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         "PyTorch's symmetric-memory fused ops (CUDA; without SP its fused reduce-scatter, then an all-gather); "
         "fused: our Triton kernels (SP only); auto: chosen at start (the cost model on a GPU it knows, else "
         "symm-mem where it runs, else p2p). Needs --transformer-impl local.")),
-    ("--overlap-tp-chunks", "tp.chunks", dict(
+    ("tp.chunks", dict(
         type=_argparse_rule(_chunk_count), default=None, metavar="N",
         help="Chunks per overlapped collective, over the whole TP group (a multiple of the TP size); 0 "
         "(default) chooses.")),
-    ("--overlap-tp-rs", "tp.rs", dict(
+    ("tp.rs", dict(
         choices=RS_ALGOS, default=None,
         help="Reduce-scatter after a GEMM as a ring of partial sums (ring, default for p2p) or as all-to-all "
         "plus a local reduce (a2a, the only one of --overlap-tp fused).")),
-    ("--overlap-tp-sub-batches", "tp.sub_batches", dict(
+    ("tp.sub_batches", dict(
         type=_argparse_rule(_sub_batch_count), default=None, metavar="N|auto",
         help="Cut each attention and MLP block's rows into N sub-batches run one after another, so one "
         "sub-batch's all-gather / reduce-scatter travels while another's attention or GEMMs compute (Domino-style "
         "workload partitioning; 2 or 3 are the usual choices; default 1: whole). auto: the cost model chooses "
         "N in 1-3 at start on a GPU it knows, else 1. Megatron's local spec; not with --overlap-tp fused. "
         "Without --sequence-parallel each part's all-reduces travel while the next part computes.")),
-    ("--overlap-tp-allreduce-fusion", "tp.allreduce_fusion", dict(
+    ("tp.allreduce_fusion", dict(
         action="store_true", default=None,
         help="Without --sequence-parallel: CoCoNet's transformation of the attention block's output. Its "
         "projection's all-reduce, bias, dropout and residual add run as a reduce-scatter overlapped with the "
@@ -107,47 +109,47 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         "all-gather whose pieces feed the pre-MLP norm and the fc1 GEMM as they land. The same numbers as "
         "stock (dropout masks drawn whole from the same generator; summation order that of the reduce-scatter, "
         "the same bits at TP=2). Opt-in.")),
-    ("--overlap-tp-bidirectional", "tp.bidirectional", dict(
+    ("tp.bidirectional", dict(
         action="store_true", default=None,
         help="Split each chunk in two halves travelling both ways round the ring.")),
-    ("--overlap-tp-autotune", "tp.autotune", dict(
+    ("tp.autotune", dict(
         action="store_true", default=None,
         help="TP overlap: measure the candidate decompositions (chunks per rank, reduce-scatter algorithm) of each distinct "
         "linear shape on the real TP group the first time it runs; every rank takes the same pick; cached on "
         "disk (~/.cache/megatron_overlap/tp_plans.json) for the next start.")),
-    ("--overlap-tp-plan-file", "tp.plan_file", dict(
+    ("tp.plan_file", dict(
         default=None, metavar="FILE",
         help="TP overlap: load the decompositions from FILE (the autotuner's cache format: {shape key: 'c4t-ring' | "
         "{'choice': ...}}; a 'default' key applies to every other shape).")),
-    ("--overlap-trace", "trace.dir", dict(
+    ("trace.dir", dict(
         default=None, metavar="DIR",
         help="Write a per-rank Chrome trace (torch.profiler; opens in Perfetto) of the chosen iterations to DIR "
         "and log their exposed communication; `megatron-overlap report DIR` draws them. Works with "
         "--overlap-tp off too (to see stock Megatron).")),
-    ("--overlap-trace-iters", "trace.iterations", dict(
+    ("trace.iterations", dict(
         default=None, metavar="LIST",
         help="Iterations to trace, counted from 0 in this run: '3', '3,5' or '3-5' (default 3).")),
-    ("--overlap-cp", "cp.mode", dict(
+    ("cp.mode", dict(
         choices=CP_MODES, default="off",
         help="Context parallelism for Megatron's local attention (--transformer-impl local, "
         "--context-parallel-size > 1), data sliced as Megatron's get_batch_on_this_cp_rank does. ring: K/V "
         "blocks travel a P2P ring, the block in hand attended meanwhile (any head count); a2a: all-to-all to "
         "heads and back (Ulysses; heads per TP rank divisible by CP); hybrid: a2a inside groups of "
         "--overlap-cp-a2a-size ranks, ring across. off: stock (which refuses CP > 1 on the local path).")),
-    ("--overlap-cp-a2a-size", "cp.a2a_size", dict(
+    ("cp.a2a_size", dict(
         type=_count("cp.a2a_size", 1, "a whole number of ranks"), default=None, metavar="U",
         help="All-to-all group size of --overlap-cp hybrid (divides the context-parallel size).")),
-    ("--overlap-hdp", "hdp.enabled", dict(
+    ("hdp.enabled", dict(
         action="store_true", default=False,
         help="Hybrid data parallelism: all data-parallel ranks form one group; each sequence gets the fewest "
         "ranks that hold it (ceil(L / C), a ring over those ranks) and work is balanced across ranks. With "
         "--pipeline-model-parallel-size > 1 every rank runs the same number of micro-batches (similar lengths at "
         "each index) under Megatron's 1F1B. Needs --context-parallel-size 1, --transformer-impl local, packed "
         "variable-length data; not with Megatron's --hybrid-context-parallel.")),
-    ("--overlap-hdp-max-tokens-per-rank", "hdp.max_tokens", dict(
+    ("hdp.max_tokens", dict(
         type=_count("hdp.max_tokens", 1, "a whole number of tokens"), default=None, metavar="C",
         help="Tokens one rank holds in one micro-batch under --overlap-hdp (padding included).")),
-    ("--overlap-pp", "pp.mode", dict(
+    ("pp.mode", dict(
         type=_pp_mode, default="megatron", metavar="{" + ",".join(PP_CHOICES) + "}",
         help="Pipeline schedule for --pipeline-model-parallel-size > 1. megatron (default): Megatron's own "
         "schedule, nothing patched. Ours: 1f1b: Megatron's order with every stage-to-stage transfer posted early "
@@ -156,17 +158,17 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         "Megatron's interleaved placement; zbv: ZB-V, exactly 2 model chunks per stage in a V (virtual "
         "pipelines only); auto: zb where the weight gradients can be deferred, else 1f1b (with a virtual "
         "pipeline: the cost model's fastest of Megatron's interleaved schedule, zb, zbv).")),
-    ("--overlap-pp-max-inflight", "pp.max_inflight", dict(
+    ("pp.max_inflight", dict(
         type=_count("pp.max_inflight", 2, "a whole number of micro-batches"), default=None, metavar="K",
         help="Micro-batches forwarded by the first stage before its first backward, K in [PP size, number of "
         "micro-batches] (default: PP size, as 1F1B); stage s then warms up with max(PP - s, K - 2s). More in "
         "flight give transfers more compute to hide behind and cost activation memory on the first stages; "
         "2 x PP - 1 hides every steady-state transfer.")),
-    ("--overlap-pp-memory-budget", "pp.memory_budget_gb", dict(
+    ("pp.memory_budget_gb", dict(
         type=_amount("pp.memory_budget_gb", "GB", rules.MAX_GB), default=None, metavar="GB",
         help="Activation memory per stage in GB; sets --overlap-pp-max-inflight to the most micro-batches that "
         "fit (estimated from the model shape).")),
-    ("--overlap-pp-buckets", "pp.buckets", dict(
+    ("pp.buckets", dict(
         choices=PP_BUCKETS, default=None,
         help="Megatron DDP's gradient buckets with a virtual pipeline under --overlap-pp. megatron (default): "
         "Megatron's (each chunk but stage 0's first in one bucket, whose reduction waits for the chunk's last "
@@ -174,7 +176,7 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         "(less exposed data-parallel time, more collectives). The distributed optimizer's checkpointed state "
         "follows the buckets: resume a checkpoint with the layout it was saved with, or save with "
         "--dist-ckpt-optim-fully-reshardable.")),
-    ("--overlap-timeout-s", "comm.timeout_s", dict(
+    ("comm.timeout_s", dict(
         type=_amount("comm.timeout_s", "seconds", rules.MAX_TIMEOUT_S), default=None, metavar="S",
         help="Bound every wait of the plugin's own communication (TP rings, CP and HDP rings, the HDP exchange, "
         "pipeline transfers, the fused kernels' flag waits) by S seconds, below the process group's timeout: a "
@@ -182,10 +184,10 @@ _FLAGS = (  # (flag, config field, argparse keywords)
         "and the peer rank. Default: the process group's timeout bounds them.")),
 )
 
+_FLAGS = tuple((FIELDS[field], field, keywords) for field, keywords in _OPTIONS)  # (flag, config field, keywords)
 FLAGS = tuple(flag for flag, _field, _kw in _FLAGS)
-FIELDS = {field: flag for flag, field, _kw in _FLAGS}  # config field -> flag
 
-# Old spellings (issue 34's flag pass), each still accepted and warning once: old -> new
+# Old spellings (renamed to one prefix and one spelling per concept), each still accepted and warning once: old -> new
 # (None: ignored, the setting is derived). Pinned by tests/test_config.py.
 DEPRECATED = {
     "--overlap-autotune": "--overlap-tp-autotune",
@@ -245,34 +247,6 @@ def add_alias(parser: argparse.ArgumentParser, old: str, new: str) -> None:
     if action.nargs != 0:  # a value: taken the same way
         keywords.update(type=action.type, choices=action.choices, metavar=action.metavar, nargs=action.nargs)
     parser.add_argument(old, action=deprecated_action(type(action), old, new), **keywords)
-
-
-# Megatron settings whose flag is not ``--<name with dashes>``: megatron-core dataclass fields
-# with ``argparse_meta`` arg_names (Megatron-LM derives its flags from them), an attribute Megatron-LM
-# computes from another flag, and model-config fields no flag sets (named as the config's). Checked
-# against Megatron-LM's own parser: tests/data/megatron_lm_parser_flags.txt, tests/test_hardening.py.
-MEGATRON_FLAG_NAMES = {
-    "overlap_p2p_comm_warmup_flush": "--overlap-p2p-communication-warmup-flush",
-    "microbatch_group_size_per_vp_stage": "--microbatch-group-size-per-virtual-pipeline-stage",
-    "virtual_pipeline_model_parallel_size": "--num-virtual-stages-per-pipeline-rank",
-    "variable_seq_lengths": "TransformerConfig.variable_seq_lengths",
-    "num_microbatches_with_partial_activation_checkpoints":
-        "TransformerConfig.num_microbatches_with_partial_activation_checkpoints",
-}
-
-
-def flag_for(field: str) -> str:
-    """The flag of a config field: ours from the table, Megatron's (``megatron.seq_length``) by
-    Megatron's own convention (``--seq-length``, the exceptions in ``MEGATRON_FLAG_NAMES``), an
-    environment variable (``env.MEGATRON_OVERLAP_CACHE``) by its name."""
-    if field in FIELDS:
-        return FIELDS[field]
-    area, _, name = field.partition(".")
-    if area == "megatron" and name:
-        return MEGATRON_FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
-    if area == "env" and name:
-        return name
-    raise KeyError(f"no flag for config field {field!r}")
 
 
 def add_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -2,11 +2,11 @@
 (:meth:`OverlapConfig.from_args`).
 
 ``OverlapConfig`` is frozen and made of one small section per area (``tp``, ``cp``, ``hdp``,
-``trace``); each section validates itself on construction, the whole checks what crosses
-sections. The modes come from the areas that own them. Pure Python: nothing here imports
-Megatron or touches process groups. Checks that need the model (TP size, sequence length,
-heads, ...) live in the areas (``tp.checks``, ``cp.checks``, ``hdp.checks``) and take a
-:class:`ModelContext`.
+``pp``, ``trace``, ``comm``); each section validates itself on construction, the whole checks
+what crosses sections. The modes come from the areas that own them. Pure Python: nothing here
+imports Megatron or touches process groups. Checks that need the model (TP size, sequence
+length, heads, ...) live in the areas (``tp.checks``, ``cp.checks``, ``hdp.checks``,
+``pp.checks``) and take a :class:`ModelContext` (``model_context.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 from . import rules
 from .args import flag_for
-from .context import MEGATRON_PP_FLAGS, ModelContext  # noqa: F401  (re-exported: its home was here)
+from .model_context import MEGATRON_PP_FLAGS, ModelContext  # noqa: F401  (re-exported: its home was here)
 from .cp import CP_MODES
 from .errors import OverlapConfigError
 from .pp import BUCKETS as PP_BUCKETS, MODES as PP_MODES

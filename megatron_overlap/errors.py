@@ -4,7 +4,7 @@ Code below the config layer names what the user should change by *config field*,
 ``"tp.chunks"`` (one of ours), ``"megatron.seq_length"`` (one of Megatron's arguments) or
 ``"env.MEGATRON_OVERLAP_CACHE"`` (an environment variable the plugin reads). Inside
 a message, other fields are referred to in backticks, ``"use `cp.mode` ring"``. The error turns
-both into the flags the user types through the one map in :mod:`megatron_overlap.args`, so
+both into the flags the user types through the one map in :mod:`megatron_overlap.flag_names`, so
 every message names a flag and no area of the plugin spells one.
 """
 
@@ -13,13 +13,13 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from .flag_names import flag_for
+
 _FIELD_REF = re.compile(r"`((?:tp|cp|hdp|pp|trace|comm|megatron)\.[a-z0-9_]+|env\.[A-Z0-9_]+)`")
 
 
 def render(message: str) -> str:
     """``message`` with every backticked field replaced by its flag."""
-    from .args import flag_for
-
     return _FIELD_REF.sub(lambda m: flag_for(m.group(1)), message)
 
 
@@ -40,8 +40,6 @@ class OverlapConfigError(ValueError):
             self.reason = text.split(": ", 1)[1] if self.flag else text
             super().__init__(text)
             return
-        from .args import flag_for
-
         self.field = field
         self.flag = flag_for(field)
         self.reason = render(message)

@@ -1,9 +1,9 @@
 """The HDP planner's wall time per step (``schedule_hdp`` with locality), as BENCHMARKS.md's
-issue-24 entry quotes it: at R = 64 and 256, C = 32768, T = 2 and 8 x R x C, two batches of the
+HDP planner-time entry quotes it: at R = 64 and 256, C = 32768, T = 2 and 8 x R x C, two batches of the
 packages corpus and one heavy-tailed batch per point, documents cut at R x C / 8; then a digest
 of every plan (the same digest before and after a speed change means the same plans). With
 the guard: the same, plus megatron-core's plan (``schedule_megatron_balanced``) and
-``both_models.for_both`` and ``guard.guarded``, what the runtime and ``bench hdp`` plan per step; a digest of those plans too.
+``bound_tradeoff.for_both`` and ``guard.guarded``, what the runtime and ``bench hdp`` plan per step; a digest of those plans too.
 
     python scripts/hdp_planner_speed.py
 """
@@ -14,7 +14,7 @@ import time
 from megatron_overlap.cli.bench_hdp import draw_batches, loading_ranks
 from megatron_overlap.cli.corpus import corpus_batches, package_documents
 from megatron_overlap.hdp import HdpCostModel, schedule_hdp
-from megatron_overlap.hdp.both_models import for_both
+from megatron_overlap.hdp.bound_tradeoff import for_both
 from megatron_overlap.hdp.guard import guarded
 from megatron_overlap.integration.baselines import schedule_megatron_balanced
 

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
-from .rank_fns import _install, _rel, _run_layer, _tp_group, _use_reference_symm_mem
+from .rank_helpers import install, reference_symm_mem, rel, run_layer, tp_group
 
 
 def _no_sp_layers(tp: int, fusion: bool = False):
@@ -35,24 +37,28 @@ def ops_vs_reference(seed: int) -> list:
 
     rows = []
     for size in (2, 4):
-        group = _tp_group(size)
+        group = tp_group(size)
         gen = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
         for chunks, taper in ((1, False), (3, False), (5, True), (27, False)):
             x = torch.randn(27, 3, 50, generator=gen)
             w = torch.randn(40, 50, generator=gen)
             ours, ref = gemm_ar(x, w, group, split_pieces(27, chunks, taper=taper)), gemm_ar_reference(x, w, group)
-            rows.append(dict(size=size, chunks=chunks, taper=taper, rel=_rel(ours, ref), equal=torch.equal(ours, ref)))
+            rows.append(dict(size=size, chunks=chunks, taper=taper, rel=rel(ours, ref), equal=torch.equal(ours, ref)))
     return rows
 
 
 def layer_parity(tp: int, backend: str, seed: int, fusion: bool = False) -> list:
     """Stock Megatron Column/Row linears without SP vs the overlapped ones: output, input grad,
     weight grad (``main_grad`` under gradient-accumulation fusion), bias grad; odd rows (27; 28
-    for symm-mem, whose all-reduce is a reduce-scatter and an all-gather)."""
+    for symm-mem, whose all-reduce is a reduce-scatter and an all-gather; its composition with the
+    reference ops, put back after)."""
+    with reference_symm_mem() if backend == "symm-mem" else contextlib.nullcontext():
+        return _layer_parity(tp, backend, seed, fusion)
+
+
+def _layer_parity(tp: int, backend: str, seed: int, fusion: bool) -> list:
     from megatron_overlap.lab import tiny_gpt
 
-    if backend == "symm-mem":
-        _use_reference_symm_mem()
     tiny_gpt.init_parallel(tp, seed=seed)
     layers = _no_sp_layers(tp, fusion)
     gen = torch.Generator().manual_seed(seed * 7 + dist.get_rank())
@@ -66,18 +72,18 @@ def layer_parity(tp: int, backend: str, seed: int, fusion: bool = False) -> list
         column = "column" in name
         x = torch.randn(rows_s, b, layer.input_size if column else layer.input_size_per_partition, generator=gen)
         dy = torch.randn(rows_s, b, layer.output_size_per_partition if column else layer.output_size, generator=gen)
-        _install([])
-        stock = _run_layer(layer, x, dy, fusion)
+        install([])
+        stock = run_layer(layer, x, dy, fusion)
         for flags in variants:
-            _install(flags)
+            install(flags)
             from megatron_overlap.integration.install import find_installation
 
-            ours = _run_layer(layer, x, dy, fusion)
+            ours = run_layer(layer, x, dy, fusion)
             calls = dict(find_installation().calls)
             for key in stock:
-                out.append(dict(layer=name, flags=" ".join(flags), tensor=key, rel=_rel(ours[key], stock[key]),
+                out.append(dict(layer=name, flags=" ".join(flags), tensor=key, rel=rel(ours[key], stock[key]),
                                 equal=torch.equal(ours[key], stock[key]), calls=calls))
-    _install([])
+    install([])
     return out
 
 
@@ -85,7 +91,7 @@ def gpt_no_sp(tp: int, steps: int, flags: list, **overrides) -> dict:
     """The tiny GPT (SwiGLU, GQA 8/2, RMSNorm) without sequence parallelism, trained ``steps``
     steps under ``flags``: losses, the first step's gradients (``main_grad``), the patched calls.
     Dropout draws from the default generator, seeded the same for every run."""
-    from .rank_fns import gpt_losses_and_grads
+    from .gpt_rank_fns import gpt_losses_and_grads
 
     torch.manual_seed(1234)
     return gpt_losses_and_grads(tp, steps, flags, False, sequence_parallel=False, **overrides)
@@ -94,14 +100,17 @@ def gpt_no_sp(tp: int, steps: int, flags: list, **overrides) -> dict:
 def gpt_no_sp_vs_stock(tp: int, steps: int, variants: list, **overrides) -> list:
     """``gpt_no_sp`` of stock and of each variant: per variant the losses' and gradients' worst
     relative difference from stock, whether all are bit-identical, and the calls. A variant with
-    ``symm-mem`` runs its composition with stock collectives (``_use_reference_symm_mem``)."""
-    if any("symm-mem" in flags for flags in variants):
-        _use_reference_symm_mem()
+    ``symm-mem`` runs its composition with stock collectives (``rank_helpers.reference_symm_mem``)."""
+    with reference_symm_mem() if any("symm-mem" in flags for flags in variants) else contextlib.nullcontext():
+        return _gpt_no_sp_vs_stock(tp, steps, variants, **overrides)
+
+
+def _gpt_no_sp_vs_stock(tp: int, steps: int, variants: list, **overrides) -> list:
     stock = gpt_no_sp(tp, steps, [], **overrides)
     out = []
     for flags in variants:
         ours = gpt_no_sp(tp, steps, flags, **overrides)
-        grads = {k: _rel(ours["grads"][k], stock["grads"][k]) for k in stock["grads"]}
+        grads = {k: rel(ours["grads"][k], stock["grads"][k]) for k in stock["grads"]}
         out.append(dict(flags=" ".join(flags), losses=ours["losses"], stock_losses=stock["losses"],
                         loss_rel=max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], stock["losses"])),
                         grad_rel=max(grads.values()), worst=max(grads, key=grads.get),
@@ -135,7 +144,7 @@ def mlp_link_no_sp(tp: int) -> dict:
                 ("sub", ["--overlap-tp", "p2p", "--overlap-tp-sub-batches", "2"]))
     spec = LinkSpec(bandwidth_GBps=0.002, latency_us=0.0)  # ~24 ms per step's bytes at TP=2: far above the compute
     for mode, flags in variants:
-        _install(flags)
+        install(flags)
         with EmulatedLink(LinkSpec(bandwidth_GBps=1e4, latency_us=0.0)) as link:
             y, bias = mlp(x)
             (y + bias).sum().backward()  # warm
@@ -149,7 +158,7 @@ def mlp_link_no_sp(tp: int) -> dict:
             stats = link.reset()
         out[mode] = dict(bytes=stats.total_bytes, by_op=dict(stats.bytes_by_op), calls=dict(stats.calls_by_op),
                          blocked_s=stats.blocked_s, step_s=step, transfer_s=stats.total_bytes / (spec.bandwidth_GBps * 1e9))
-    _install([])
+    install([])
     return out
 
 
@@ -165,11 +174,11 @@ def fusion_op_vs_reference(seed: int, p: float = 0.1) -> list:
     from megatron_overlap.tp.allreduce_fusion import RowAllReduceBDA
     from megatron_overlap.tp.backends.p2p import P2PBackend
     from megatron_overlap.tp.linear import TPComm, WgradOptions
-    from megatron_overlap.tp.plan import TPPlan
+    from megatron_overlap.tp.linear_plan import TPPlan
 
     out = []
     for size in (2, 4):
-        group = _tp_group(size)
+        group = tp_group(size)
         lead = dist.get_process_group_ranks(group)[0]
         shared = torch.Generator().manual_seed(seed + lead)  # replicated tensors: the same on the group
         mine = torch.Generator().manual_seed(seed * 31 + dist.get_rank())
@@ -190,10 +199,10 @@ def fusion_op_vs_reference(seed: int, p: float = 0.1) -> list:
             ours = RowAllReduceBDA.apply(*ours_leaves, p, True, WgradOptions(), comm, None)
             ours.backward(dy)
             after_ours = torch.rand(1).item()
-            row = dict(size=size, chunks=chunks, rng_same=after_ref == after_ours, out_rel=_rel(ours, ref),
+            row = dict(size=size, chunks=chunks, rng_same=after_ref == after_ours, out_rel=rel(ours, ref),
                        out_equal=torch.equal(ours, ref))
             for name, a, c in zip(("x", "w", "bias", "residual"), ours_leaves, leaves):
-                row[f"{name}_rel"], row[f"{name}_equal"] = _rel(a.grad, c.grad), torch.equal(a.grad, c.grad)
+                row[f"{name}_rel"], row[f"{name}_equal"] = rel(a.grad, c.grad), torch.equal(a.grad, c.grad)
             out.append(row)
     return out
 
@@ -225,7 +234,7 @@ def fusion_reasons(tp: int) -> dict:
     tiny_gpt.init_parallel(tp)
     layer = tiny_gpt.build(tiny_gpt.TinyGPT(), tp, sequence_parallel=False, hidden_dropout=0.1).decoder.layers[0]
     out = {}
-    _install(["--overlap-tp", "p2p", "--overlap-tp-allreduce-fusion"])
+    install(["--overlap-tp", "p2p", "--overlap-tp-allreduce-fusion"])
     try:
         inst = find_installation()
         out["plain"] = stock_reason(inst, layer)
@@ -239,19 +248,19 @@ def fusion_reasons(tp: int) -> dict:
         out["recompute_norm"] = stock_reason(inst, layer)
         layer.recompute_pre_mlp_layernorm = False
     finally:
-        _install([])
-    _install(["--overlap-tp", "p2p", "--overlap-tp-allreduce-fusion", "--overlap-tp-sub-batches", "2"])
+        install([])
+    install(["--overlap-tp", "p2p", "--overlap-tp-allreduce-fusion", "--overlap-tp-sub-batches", "2"])
     try:
         out["sub_batches"] = stock_reason(find_installation(), layer)
     finally:
-        _install([])
+        install([])
     tiny_gpt.init_parallel(tp)
     sp_layer = tiny_gpt.build(tiny_gpt.TinyGPT(), tp).decoder.layers[0]
-    _install(["--overlap-tp", "p2p"])
+    install(["--overlap-tp", "p2p"])
     try:
         out["sequence_parallel"] = stock_reason(find_installation(), sp_layer)
     finally:
-        _install([])
+        install([])
     return out
 
 
@@ -266,21 +275,21 @@ def traced_waits_no_sp(tp: int) -> dict:
 
     from megatron_overlap.integration.install import find_installation
     from megatron_overlap.lab import tiny_gpt
-    from megatron_overlap.trace.tracer import WAIT
+    from megatron_overlap.trace.markers import WAIT
 
     tiny_gpt.init_parallel(tp)
     config = tiny_gpt.transformer_config(tiny_gpt.TinyGPT(), tp, sequence_parallel=False, add_bias_linear=True,
                                          gated_linear_unit=False, activation_func=F.gelu)
     mlp = MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
     x = torch.randn(32, 2, 96, requires_grad=True)
-    _install(["--overlap-tp", "p2p", "--overlap-tp-chunks", str(2 * tp)])
+    install(["--overlap-tp", "p2p", "--overlap-tp-chunks", str(2 * tp)])
     try:
         with profile() as prof:
             y, bias = mlp(x)
             (y + bias).sum().backward()
         plans = list(find_installation().tp.plans().values())
     finally:
-        _install([])
+        install([])
     return {"waits": sum(1 for e in prof.events() if e.name == WAIT), "pieces": sum(len(p.pieces) for p in plans)}
 
 
@@ -304,13 +313,13 @@ def autotuned_no_sp(tp: int, cache_dir: str) -> dict:
             layer, column = layers[name], "column" in name
             x = torch.randn(24, 3, layer.input_size if column else layer.input_size_per_partition, generator=gen)
             dy = torch.randn(24, 3, layer.output_size_per_partition if column else layer.output_size, generator=gen)
-            _install([])
-            stock = _run_layer(layer, x, dy, False)
-            _install(["--overlap-tp", "p2p", "--overlap-tp-autotune"])
-            ours = _run_layer(layer, x, dy, False)
+            install([])
+            stock = run_layer(layer, x, dy, False)
+            install(["--overlap-tp", "p2p", "--overlap-tp-autotune"])
+            ours = run_layer(layer, x, dy, False)
             kinds |= {key[0] for key in find_installation().tp.plans()}
-            worst = max(worst, max(_rel(ours[k], stock[k]) for k in stock))
-        _install([])
+            worst = max(worst, max(rel(ours[k], stock[k]) for k in stock))
+        install([])
         entries = []
         for path in glob.glob(f"{cache_dir}/rank{dist.get_rank()}/tp_plans.json"):
             entries = sorted(k.split("|")[0] for k in json.load(open(path)))
@@ -323,14 +332,14 @@ def symm_mem_odd_rows_error(tp: int) -> str:
     """symm-mem without SP on 27 rows (its all-reduce is a reduce-scatter: they must split)."""
     from megatron_overlap.lab import tiny_gpt
 
-    _use_reference_symm_mem()
     tiny_gpt.init_parallel(tp)
     layer = _no_sp_layers(tp)["fc2(row)"]
-    _install(["--overlap-tp", "symm-mem"])
-    try:
-        layer(torch.randn(27, 3, layer.input_size_per_partition))
-    except Exception as exc:  # the message is what the test checks
-        return f"{type(exc).__name__}: {exc}"
-    finally:
-        _install([])
+    with reference_symm_mem():
+        install(["--overlap-tp", "symm-mem"])
+        try:
+            layer(torch.randn(27, 3, layer.input_size_per_partition))
+        except Exception as exc:  # the message is what the test checks
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            install([])
     return "no error"

@@ -9,11 +9,10 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from .rank_helpers import GROUPS, tp_group as _cp_group  # groups made once per process
+
 HQ, HK, D, B = 8, 2, 24, 2
 DOCS = (5, 17, 1, 23)  # packed document lengths, none a multiple of 2 x CP
-
-
-from .rank_fns import _GROUPS, _tp_group as _cp_group  # noqa: E402  (groups made once per process)
 
 
 def _megatron_slice(x: torch.Tensor, group) -> torch.Tensor:
@@ -199,9 +198,9 @@ def explicit_peer_order(seed: int) -> dict:
     parent = _cp_group(4)
     ranks = [2, 0, 3]
     # only to add up the errors of the three ranks; every rank must create every group, in order
-    if "ring[2,0,3]" not in _GROUPS:
-        _GROUPS["ring[2,0,3]"] = dist.new_group(ranks)
-    ring_group = _GROUPS["ring[2,0,3]"]
+    if "ring[2,0,3]" not in GROUPS:
+        GROUPS["ring[2,0,3]"] = dist.new_group(ranks)
+    ring_group = GROUPS["ring[2,0,3]"]
     me = dist.get_rank(parent)
     if me not in ranks:
         q = torch.randn(16, B, HQ, D)

@@ -127,7 +127,7 @@ _VTRAINERS: dict = {}
 
 
 def vpp_runs(pp: int, v: int, overlap_grad_reduce: bool, runs: list, steps: int) -> dict:
-    """Virtual pipelines (issue 23): for each (mode, microbatches) in ``runs`` on the tiny GPT
+    """Virtual pipelines: for each (mode, microbatches) in ``runs`` on the tiny GPT
     with ``v`` chunks per stage: ``steps`` losses from the same start and every parameter's
     gradient after the first step (this rank's chunks, in order)."""
     import dataclasses

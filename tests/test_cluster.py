@@ -1,4 +1,4 @@
-"""The emulated cluster (issue: scale-lab): PP x DP ranks whose compute is a wait of the cost
+"""The emulated cluster: PP x DP ranks whose compute is a wait of the cost
 model's times, with the real executor, Megatron's 1F1B, DDP and distributed optimizer around
 them. Checked against the simulator it is meant to reproduce (times, not numerics), and its
 command line's refusals."""
@@ -9,9 +9,9 @@ import pytest
 
 from megatron_overlap.lab.cluster import ClusterConfig
 
-from .test_cli import cli
+from .cli_runner import cli
 
-TOLERANCE = 0.05  # the lab check's (BENCHMARKS.md): measured step within 5% of pp/simulate.py
+TOLERANCE = 0.05  # the lab check's (BENCHMARKS.md): measured step within 5% of pp/schedule_sim.py
 
 
 def test_the_emulated_cluster_reproduces_the_simulator(pool4):
@@ -107,7 +107,7 @@ def test_durations_files_are_checked_naming_what_is_missing(tmp_path):
 
 
 def test_virtual_pipelines_on_the_emulated_cluster_reproduce_the_simulator(pool4):
-    """PP=2 x DP=2 with 2 model chunks per stage (issue 23), m = 4: Megatron's interleaved 1F1B,
+    """PP=2 x DP=2 with 2 model chunks per stage, m = 4: Megatron's interleaved 1F1B,
     our interleaved zb and ZB-V over Megatron's chunk DDPs and the distributed optimizer
     (``align_param_gather``, every bucket's gather in flight at once) within 10% of the
     simulator's per-chunk prediction; the same losses (the V's chunks carry the same virtual
@@ -171,7 +171,7 @@ def test_the_simulator_gathers_a_chunks_parameters_in_the_order_dispatched():
     bucket is in and runs each bucket's share once that one is; in bucket order (stock's
     ``gather_aligned``: the last layers' bucket first) it waits for all of them."""
     from megatron_overlap.pp import build
-    from megatron_overlap.pp.simulate import DPSync, StageTimes, simulate
+    from megatron_overlap.pp.schedule_sim import DPSync, StageTimes, simulate
 
     times = [StageTimes(12.0, 10.0, 10.0)] * 2  # a chunk's forward: 6 ms
     sync = DPSync(reduce_ms=(1.0, 1.0), reduce_chunks=(0, 1), gather_ms=(2.0, 3.0, 4.0, 5.0),
@@ -194,7 +194,7 @@ def test_the_simulator_sends_each_bucket_as_its_chunks_last_gradient_fills_it():
     first), one after the other on the port; the stage's reductions end earlier than when all
     leave at the W's end, by as much of the W as the first buckets' share."""
     from megatron_overlap.pp import build
-    from megatron_overlap.pp.simulate import DPSync, StageTimes, simulate
+    from megatron_overlap.pp.schedule_sim import DPSync, StageTimes, simulate
 
     times = [StageTimes(10.0, 10.0, 8.0)] * 2  # a chunk's W: 4 ms
     sync = DPSync(reduce_ms=(1.0, 3.0, 2.0, 2.0), reduce_chunks=(0, 0, 1, 1))
@@ -224,7 +224,7 @@ def test_the_simulator_dispatches_each_chunks_buckets_after_its_last_gradient():
     other on the stage's data-parallel port; never later than the whole stage's sync after its
     last gradient."""
     from megatron_overlap.pp import build
-    from megatron_overlap.pp.simulate import DPSync, StageTimes, simulate
+    from megatron_overlap.pp.schedule_sim import DPSync, StageTimes, simulate
 
     times = [StageTimes(10.0, 10.0, 10.0)] * 2
     ms = {0: 7.0, 1: 5.0}

@@ -6,12 +6,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import megatron_overlap
 from megatron_overlap import OverlapConfig, OverlapConfigError, add_overlap_args, overlap_parser
 from megatron_overlap.config import ModelContext, TPConfig
 from megatron_overlap.tp.checks import check_tp_model
-from megatron_overlap.tp.plan import chunks_per_rank
+from megatron_overlap.tp.linear_plan import chunks_per_rank
+
+from .flag_args import megatron_args, parse, parser_error
 
 MEGATRON_FLAGS = {
     line.strip()
@@ -23,17 +26,13 @@ MEGATRON_FLAGS = {
 HDP = ["--overlap-hdp", "--overlap-hdp-max-tokens-per-rank", "64"]
 
 
-def parse(*flags):
-    return overlap_parser().parse_args(list(flags))
-
-
 def test_flag_set_is_pinned():
     from megatron_overlap.args import DEPRECATED
 
     parser = add_overlap_args(argparse.ArgumentParser())
     added = {opt for action in parser._actions for opt in action.option_strings} - {"-h", "--help"}
     assert added == set(megatron_overlap.FLAGS) | set(DEPRECATED)
-    assert all(flag.startswith("--overlap-") for flag in megatron_overlap.FLAGS)  # one prefix (issue 34)
+    assert all(flag.startswith("--overlap-") for flag in megatron_overlap.FLAGS)  # one prefix
     assert set(DEPRECATED) == {"--overlap-autotune", "--overlap-plan", "--hdp", "--hdp-max-tokens-per-rank",
                                "--hdp-mode"}
     assert set(megatron_overlap.FLAGS) == {
@@ -42,20 +41,20 @@ def test_flag_set_is_pinned():
         "--overlap-tp-rs",
         "--overlap-tp-bidirectional",
         "--overlap-tp-sub-batches",
-        "--overlap-tp-allreduce-fusion",  # issue 35: CoCoNet's transformation without sequence parallelism
-        "--overlap-tp-autotune",  # issue 34: was --overlap-autotune (TP only)
-        "--overlap-tp-plan-file",  # issue 34: was --overlap-plan (TP only, not the plan command)
+        "--overlap-tp-allreduce-fusion",  # CoCoNet's transformation without sequence parallelism
+        "--overlap-tp-autotune",  # was --overlap-autotune (TP only)
+        "--overlap-tp-plan-file",  # was --overlap-plan (TP only, not the plan command)
         "--overlap-trace",
         "--overlap-trace-iters",
         "--overlap-cp",
         "--overlap-cp-a2a-size",
-        "--overlap-hdp",  # issue 34: was --hdp
-        "--overlap-hdp-max-tokens-per-rank",  # issue 34: was --hdp-max-tokens-per-rank; --hdp-mode is derived
+        "--overlap-hdp",  # was --hdp
+        "--overlap-hdp-max-tokens-per-rank",  # was --hdp-max-tokens-per-rank; --hdp-mode is derived
         "--overlap-pp",
         "--overlap-pp-max-inflight",
         "--overlap-pp-memory-budget",
-        "--overlap-pp-buckets",  # issue 23: DDP buckets on every stage and chunk of a virtual pipeline
-        "--overlap-timeout-s",  # issue 25: bounds the plugin's own waits (docs/failures.md)
+        "--overlap-pp-buckets",  # DDP buckets on every stage and chunk of a virtual pipeline
+        "--overlap-timeout-s",  # bounds the plugin's own waits (docs/failures.md)
     }
 
 
@@ -77,7 +76,7 @@ def test_no_flag_collides_with_megatron():
     assert not ours & megatron_dests
 
 
-# issue 34: every old spelling still works, does what its new name does, and warns once (rank 0)
+# every old spelling still works, does what its new name does, and warns once (rank 0)
 @pytest.mark.parametrize("old,new", [
     (["--overlap-tp", "p2p", "--overlap-autotune"], ["--overlap-tp", "p2p", "--overlap-tp-autotune"]),
     (["--overlap-tp", "p2p", "--overlap-plan", "p.json"], ["--overlap-tp", "p2p", "--overlap-tp-plan-file", "p.json"]),
@@ -99,7 +98,8 @@ def test_deprecated_spellings_do_what_the_new_ones_do_and_warn_once(old, new, mo
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the new spelling warns of nothing
             assert OverlapConfig.from_args(parse(*new)) is not None
-        configs = [OverlapConfig.from_args(parse(*old)) for _ in range(3)]  # Megatron parses several times
+        # parsed here, so the warning's place is this file; Megatron parses several times
+        configs = [OverlapConfig.from_args(overlap_parser().parse_args(list(old))) for _ in range(3)]
     assert configs[0] == configs[2] == OverlapConfig.from_args(parse(*new))
     texts = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
     assert len(texts) == 1, texts
@@ -162,9 +162,12 @@ def test_defaults_and_round_trip():
     tp = config.tp
     assert (tp.mode, tp.chunks, tp.rs, tp.bidirectional) == ("p2p", 16, "a2a", True)
     assert OverlapConfig.from_args(parse(*config.as_flags())) == config
-    from megatron_overlap.tp.plan import resolve_backend
+    from megatron_overlap.tp.backends import resolve_backend, symm_mem
 
-    assert resolve_backend(OverlapConfig.from_args(parse("--overlap-tp", "auto")).tp) == "p2p"  # no CUDA here
+    # symm-mem where PyTorch's symmetric memory runs (never without CUDA), else p2p
+    auto = resolve_backend(OverlapConfig.from_args(parse("--overlap-tp", "auto")).tp)
+    assert auto == ("symm-mem" if symm_mem.availability()[0] else "p2p")
+    assert auto == "p2p" or torch.cuda.is_available()
     assert TPConfig(mode="fused").rs_algo == "a2a" and TPConfig(mode="p2p").rs_algo == "ring"
     with pytest.raises(Exception):
         config.tp = TPConfig()  # frozen
@@ -195,35 +198,10 @@ def test_pieces_cover_the_shard_exactly():
 
 
 # --------------------------------------------------------------------------- bad input
-def megatron_args(*flags, tp=4, sp=True, impl="local", tp_comm_overlap=False, seq=64, cp=1, pp=1,
-                  heads=8, kv_heads=4, **megatron):
-    args = parse(*flags)
-    for name, value in megatron.items():
-        setattr(args, name, value)
-    args.context_parallel_size = cp
-    args.pipeline_model_parallel_size = pp
-    args.num_attention_heads = heads
-    args.group_query_attention = kv_heads != heads
-    args.num_query_groups = kv_heads
-    args.tensor_model_parallel_size = tp
-    args.sequence_parallel = sp
-    args.transformer_impl = impl
-    args.tp_comm_overlap = tp_comm_overlap
-    args.seq_length = seq
-    args.micro_batch_size = 1
-    return args
-
-
-def parser_error(capsys, *flags) -> str:
-    with pytest.raises(SystemExit):
-        parse(*flags)
-    return capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     "flags,kwargs,flag,words",
     [
-        # without sequence parallelism (issue 35): what the all-reduce path cannot run
+        # without sequence parallelism: what the all-reduce path cannot run
         (["--overlap-tp", "fused"], dict(sp=False), "--overlap-tp", "hide nothing; use --overlap-tp p2p"),
         (["--overlap-tp", "p2p", "--overlap-tp-bidirectional"], dict(sp=False), "--overlap-tp-bidirectional",
          "no ring to split"),
@@ -363,7 +341,7 @@ def test_parser_rejects_bad_values_naming_the_flag(capsys):
     assert "argument --overlap-tp-rs: invalid choice" in parser_error(capsys, "--overlap-tp-rs", "tree")
     assert "argument --overlap-tp-sub-batches: expected a whole number >= 1 or auto, got 'two'" in parser_error(
         capsys, "--overlap-tp-sub-batches", "two")
-    # refused while parsing, before install (they were refused at install before issue 25)
+    # refused while parsing, before install (they were refused at install before)
     assert "argument --overlap-tp-sub-batches: must be a whole number >= 1 or auto in 1 .." in parser_error(
         capsys, "--overlap-tp", "p2p", "--overlap-tp-sub-batches", "0")
     assert "argument --overlap-hdp-max-tokens-per-rank: must be a whole number of tokens in 1 .." in parser_error(
@@ -445,7 +423,7 @@ def test_memory_budget_below_one_or_p_microbatches_is_refused():
 
 
 def test_hdp_installs_with_what_long_context_runs_need():
-    """Issue 38: --overlap-hdp with DDP's overlapped gradient reduction and the distributed optimizer's
+    """--overlap-hdp with DDP's overlapped gradient reduction and the distributed optimizer's
     overlaps, and HDP under a pipeline with our pipeline schedules, install (they were refused: the
     runs are in tests/test_pretrain_gpt.py); ZB-V and virtual pipelines are still refused, naming
     both flags (test_invalid_configurations_name_the_flag)."""

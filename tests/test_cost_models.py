@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from megatron_overlap.tune import comm, gemm, overlap
-from megatron_overlap.tune.engine import Graph, schedule
+from megatron_overlap.tune import comm, gemm
+from megatron_overlap.tune.engine import Graph, contended_gemm_ms, schedule
 from megatron_overlap.tune.hardware import HARDWARE, Link, cpu_emulated_spec, with_link
 from megatron_overlap.tune.layer_ops import mlp_ops
 from megatron_overlap.tune.models import ModelSpec, RunSpec
-from megatron_overlap.tune.simulate import make_ctx, simulate, simulate_ops
+from megatron_overlap.tune.strategy_sim import make_ctx, simulate, simulate_ops
 from megatron_overlap.tune.strategies import Strategy, default_chunks_per_rank, piece_rows
 
 SMALL = ModelSpec("small", hidden=1024, ffn=4096, heads=8, kv_heads=8, layers=2, vocab=1024, seq=2048)
@@ -95,8 +95,8 @@ def test_more_bandwidth_is_never_slower(name):
             assert faster <= slower * (1 + 1e-9), (strategy, steps)
 
 
-def test_engine_is_monotone_in_durations():
-    rng = random.Random()  # fresh graph each run
+def test_engine_is_monotone_in_durations(seed):
+    rng = random.Random(seed)  # a fresh graph each run (conftest: printed on failure)
     g = Graph()
     for i in range(40):
         deps = [j for j in range(i) if rng.random() < 0.1]
@@ -114,10 +114,7 @@ def test_engine_is_monotone_in_durations():
 
 
 def test_zero_communication_changes_nothing():
-    assert overlap.overlapped_op_ms(12.0, 0.0, chunks=1) == 12.0
-    assert overlap.contended_gemm_ms(12.0, 0.0, 0.2) == 12.0
-    assert overlap.pipelined_ms(12.0, 0.0, 4) == 12.0
-    assert overlap.fused_op_ms(12.0, 0.0, 0.0) == 12.0
+    assert contended_gemm_ms(12.0, 0.0, 0.2) == 12.0
     # a link that costs nothing and GEMMs at one efficiency: the plugin's schedule is stock's
     hw = cpu_emulated_spec(80.0, 1e9, link_bandwidth_GBps=1e12, link_latency_us=0.0)
     run = RunSpec(tp=2, seq=2048, phase="train")
@@ -137,6 +134,12 @@ def test_tp1_has_nothing_to_overlap():
         assert not simulate(SMALL, run, hw, Strategy(name)).applicable
 
 
+def _pipelined_ms(gemm_ms: float, comm_ms: float, chunks: int) -> float:
+    """The closed form of a c-stage pipeline of a transfer and a GEMM (each cut in c equal
+    chunks): the longer of the two plus one chunk of the shorter (fill or drain)."""
+    return max(gemm_ms, comm_ms) + min(gemm_ms, comm_ms) / chunks
+
+
 @pytest.mark.parametrize("gemm_ms,comm_ms", [(10.0, 4.0), (4.0, 10.0), (7.0, 7.0)])
 @pytest.mark.parametrize("chunks", [1, 2, 5])
 def test_scheduler_matches_the_pipeline_closed_form(gemm_ms, comm_ms, chunks):
@@ -144,8 +147,8 @@ def test_scheduler_matches_the_pipeline_closed_form(gemm_ms, comm_ms, chunks):
     sends = [g.add("send", "link", comm_ms / chunks) for _ in range(chunks)]
     for s in sends:
         g.compute("gemm", gemm_ms / chunks, [s])
-    assert schedule(g).makespan_ms == pytest.approx(overlap.pipelined_ms(gemm_ms, comm_ms, chunks))
-    assert schedule(g).exposed_ms() == pytest.approx(overlap.pipelined_ms(gemm_ms, comm_ms, chunks) - gemm_ms)
+    assert schedule(g).makespan_ms == pytest.approx(_pipelined_ms(gemm_ms, comm_ms, chunks))
+    assert schedule(g).exposed_ms() == pytest.approx(_pipelined_ms(gemm_ms, comm_ms, chunks) - gemm_ms)
 
 
 def test_sm_contention_slows_only_overlapped_gemms():
@@ -153,7 +156,7 @@ def test_sm_contention_slows_only_overlapped_gemms():
     g.add("nccl", "link", 10.0, sm_comm=True)
     g.compute("gemm", 20.0, contended=True)
     sched = schedule(g, sm_fraction=0.25)
-    assert sched.makespan_ms == pytest.approx(overlap.contended_gemm_ms(20.0, 10.0, 0.25))  # 22.5
+    assert sched.makespan_ms == pytest.approx(contended_gemm_ms(20.0, 10.0, 0.25))  # 22.5
     assert schedule(g, sm_fraction=0.0).makespan_ms == 20.0
     copy_engine = Graph()
     copy_engine.add("copy", "link", 10.0, sm_comm=False)
@@ -163,7 +166,7 @@ def test_sm_contention_slows_only_overlapped_gemms():
 
 def test_contention_closed_form_bounds():
     for g_ms, c_ms, s in ((10, 5, 0.1), (10, 50, 0.1), (10, 0, 0.5)):
-        t = overlap.contended_gemm_ms(g_ms, c_ms, s)
+        t = contended_gemm_ms(g_ms, c_ms, s)
         assert g_ms <= t <= g_ms / (1 - s) + 1e-12
 
 
@@ -220,7 +223,7 @@ def test_pieces_match_the_plugin(rows, chunks, taper):
 @pytest.mark.parametrize("rows,batch", [(16, 1), (255, 1), (256, 1), (1024, 1), (512, 4), (4096, 2)])
 def test_default_chunk_rule_matches_the_plugin(rows, batch):
     from megatron_overlap.config import TPConfig
-    from megatron_overlap.tp.plan import chunks_per_rank
+    from megatron_overlap.tp.linear_plan import chunks_per_rank
 
     assert default_chunks_per_rank(rows, batch) == chunks_per_rank(TPConfig(mode="p2p"), 2, rows, batch)
 
@@ -268,8 +271,8 @@ def test_sub_batches_move_the_same_bytes_and_hide_more_of_a_layer():
     from megatron_overlap.tune.hardware import cpu_emulated_spec
     from megatron_overlap.tune.layer_ops import transformer_layer_ops
     from megatron_overlap.tune.models import ModelSpec, RunSpec
-    from megatron_overlap.tune.planner import candidates
-    from megatron_overlap.tune.simulate import make_ctx, simulate_ops
+    from megatron_overlap.tune.strategy_ranking import candidates
+    from megatron_overlap.tune.strategy_sim import make_ctx, simulate_ops
     from megatron_overlap.tune.strategies import Strategy
 
     hw = cpu_emulated_spec(60.0, 10.0, 0.04, 0.0)
@@ -290,7 +293,7 @@ def test_sub_batches_move_the_same_bytes_and_hide_more_of_a_layer():
 
     from megatron_overlap.tune.hardware import get_hardware
     from megatron_overlap.tune.models import get_model
-    from megatron_overlap.tune.planner import make_plan
+    from megatron_overlap.tune.strategy_ranking import make_plan
 
     # Llama-3-70B, H100, TP=8, seq 8192, micro-batch 4: the plan ranks symm-mem cut in 2 first
     plan = make_plan(get_model("llama3-70b"), RunSpec(tp=8, seq=8192, micro_batch=4, phase="train"),

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from megatron_overlap.cli.plan import add_plan_args, plan_main
+from megatron_overlap.cli.plan_command import add_plan_args, plan_main
 from megatron_overlap.tune.hardware import get_hardware
 from megatron_overlap.tune.models import RunSpec, get_model
-from megatron_overlap.tune.planner import format_plan, make_plan, plan_json
+from megatron_overlap.tune.strategy_ranking import format_plan, make_plan, plan_json
 from megatron_overlap.tune.published import COMMAND, published_table
 from megatron_overlap.tune.published import published_rows as _published_rows
 from megatron_overlap.tune.strategies import Strategy
@@ -150,7 +150,7 @@ def test_pipeline_schedules_in_the_plan():
     assert two.flags == "--overlap-pp 1f1b --overlap-pp-max-inflight 15" and zb.flags == "--overlap-pp zb"
     plan = make_plan(model, run, hw, [Strategy("megatron")])
     text = format_plan(plan)
-    # with virtual pipelines (issue 23): stock interleaved v=2 edges out ZB-H1 here, interleaved zb beats both
+    # with virtual pipelines: stock interleaved v=2 edges out ZB-H1 here, interleaved zb beats both
     assert "pipeline schedules (simulated" in text and "best schedule: zb interleaved v=2" in text
     assert rows["zb (ZB-H1)"].step_ms > [r for r in plan.pipeline if r.label == "zb interleaved v=2"][0].step_ms
     assert rows["zb (ZB-H1)"].step_ms < rows["1f1b (async P2P)"].step_ms
@@ -169,13 +169,13 @@ def test_published_zero_bubble_rows_say_what_they_assume():
 
 
 def test_the_demos_pick_is_the_cost_model_fitted_to_its_own_calibration():
-    """``demo``'s ours (issue 34): the hardware fitted to the calibration step reproduces it (the
+    """``demo``'s ours: the hardware fitted to the calibration step reproduces it (the
     modelled stock step on a free link takes the measured compute, its GEMMs the measured rate);
     on the calibrated link the pick is one of ours and the reason lists every candidate; on a
     link that costs nothing, nothing of ours is predicted faster, so stock runs."""
     from megatron_overlap.lab import demo_plan
     from megatron_overlap.lab.demo import DemoConfig
-    from megatron_overlap.tune.simulate import simulate
+    from megatron_overlap.tune.strategy_sim import simulate
 
     cfg = DemoConfig()
     gemm_ms = 950.0

@@ -3,8 +3,6 @@ all-to-all, hybrid), CP 2 and 4, causal and not, GQA 8/2, head dim 24, sequences
 packed documents of lengths [5, 17, 1, 23]; the ring over an explicit, ordered peer list; the
 zigzag work balance; and every refused configuration."""
 
-import random
-
 from . import cp_rank_fns
 
 # fp32, relative Frobenius error of each tensor. The blocks merge by log-sum-exp in another
@@ -19,29 +17,29 @@ def _check_rows(rows, expect):
             assert row[key] <= REL_TOL, row
 
 
-def test_unpacked_parity_every_mode(pool4):
-    results = pool4.run(cp_rank_fns.parity_unpacked, random.randrange(1 << 20))
+def test_unpacked_parity_every_mode(pool4, seed):
+    results = pool4.run(cp_rank_fns.parity_unpacked, seed)
     # per CP size: 3 modes x causal/not x 2 lengths + ring with sdpa / without overlap x causal/not
     for rows in results:
         _check_rows(rows, 2 * (3 * 2 * 2 + 2 * 2))
     assert results[0] == results[1]  # the group's errors were all-reduced: every rank agrees
 
 
-def test_ring_key_blocks_in_pieces(pool4):
-    for rows in pool4.run(cp_rank_fns.ring_pieces_parity, random.randrange(1 << 20)):
+def test_ring_key_blocks_in_pieces(pool4, seed):
+    for rows in pool4.run(cp_rank_fns.ring_pieces_parity, seed):
         _check_rows(rows, 2 * 2 * 2)
 
 
-def test_packed_documents_not_multiples_of_2cp(pool4):
-    for rows in pool4.run(cp_rank_fns.parity_packed, random.randrange(1 << 20)):
+def test_packed_documents_not_multiples_of_2cp(pool4, seed):
+    for rows in pool4.run(cp_rank_fns.parity_packed, seed):
         _check_rows(rows, 2 * 3 * 2)
         for row in rows:
             # NaN in the padding of q, k, v never reached a real row, and padding rows get zeros
             assert row["pad_clean"], row
 
 
-def test_ring_over_an_explicit_ordered_peer_list(pool4):
-    results = pool4.run(cp_rank_fns.explicit_peer_order, random.randrange(1 << 20))
+def test_ring_over_an_explicit_ordered_peer_list(pool4, seed):
+    results = pool4.run(cp_rank_fns.explicit_peer_order, seed)
     idle = results[1]
     assert idle["idle"] and "group rank 1 is not among the ring's peers [2, 0, 3]" in idle["error"]
     for rank in (0, 2, 3):

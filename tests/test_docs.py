@@ -1,4 +1,4 @@
-"""The docs as issue 34 asks for them: a README read in one screen, one page per feature, the
+"""The docs as a reader needs them: a README read in one screen, one page per feature, the
 flags page generated from the code, current figures only in BENCHMARKS.md (each with its
 command, date, machine and versions), a changelog in Keep a Changelog form, and no figure in
 README or docs that BENCHMARKS.md does not hold with the same value."""
@@ -91,7 +91,7 @@ def test_the_figure_check_catches_a_restated_figure(tmp_path, line, problem):
 
 def test_benchmarks_hold_current_figures_only_with_their_provenance():
     text = _text("BENCHMARKS.md")
-    assert len(text.splitlines()) <= 540  # 400 before issues 35 and 36's sections (the lead trims at merge)
+    assert len(text.splitlines()) <= 540  # 400 before the sections on TP without SP and long context (the lead trims at merge)
     headings = re.findall(r"^#+ (.*)$", text, flags=re.M)
     assert not [h for h in headings if re.search(r"\b(pass|superseded|re-run|second|third)\b", h, re.I)]
     assert "superseded" not in text.lower()
@@ -118,7 +118,7 @@ def test_changelog_keeps_a_changelog():
     assert not re.search(r"\d+\.\d+x\b|\d+(\.\d+)? ?ms\b|\d+ (passed|tests)\b|\d+ min\b", text)
 
 
-def test_the_contradictions_of_issue_34_are_gone():
+def test_contradictions_once_found_stay_gone():
     docs = {p.name: p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
     everything = "\n".join(docs.values())
     # HDP runs under a pipeline (tests/test_hdp_runtime.py, tests/test_pretrain_gpt.py), the mode derived

@@ -3,7 +3,7 @@ rank, reach Megatron's import-time bindings, and count the same bytes for stock 
 
 from megatron_overlap.lab.emulated_link import LinkSpec
 
-from . import rank_fns
+from . import link_rank_fns
 
 
 def test_link_spec_validates():
@@ -17,7 +17,7 @@ def test_link_spec_validates():
 
 
 def test_transfers_take_link_time(pool4):
-    results = pool4.run(rank_fns.link_timing)
+    results = pool4.run(link_rank_fns.link_timing)
     for rank, r in enumerate(results):
         sender = results[rank ^ 1]  # ranks 0-1 and 2-3 exchange
         one = r["expected_one_s"]  # 1 MiB at 0.02 GB/s + 2 ms = ~54 ms
@@ -34,7 +34,7 @@ def test_transfers_take_link_time(pool4):
 
 def test_plugin_moves_the_same_bytes_as_stock(pool4):
     for tp in (2, 4):
-        for counted in pool4.run(rank_fns.mlp_bytes_stock_vs_ours, tp):
+        for counted in pool4.run(link_rank_fns.mlp_bytes_stock_vs_ours, tp):
             stock_total, stock_ops = counted["stock"]
             ours_total, ours_ops = counted["ours"]
             assert stock_total > 0
@@ -46,7 +46,7 @@ def test_every_path_is_delayed_and_counted_once(pool4):
     a collective, and equal tags in two groups: the link counts exactly the bytes the tensors
     hold, no step ends before its bytes / bandwidth, and groups do not share deadlines."""
     for ogr in (True, False):
-        for r in pool4.run(rank_fns.link_paths, ogr):
+        for r in pool4.run(link_rank_fns.link_paths, ogr):
             assert r["buckets"] >= 1 and r["expected_ddp_bytes"] > 0, r
             assert r["all_reduce_bytes"] == r["expected_ddp_bytes"] + 6, r  # + the reported loss (fp32, 2 x 3/4 x 4 B)
             # a step cannot beat its own transfers (before the fix DDP's coalesced all-reduce was not delayed)

@@ -1,4 +1,4 @@
-"""Fuzz the plugin's inputs (issue 25): random combinations of our flags, Megatron's arguments,
+"""Fuzz the plugin's inputs: random combinations of our flags, Megatron's arguments,
 plan files, trace directories, the cache variable and autotune cache files, hundreds per run
 from a fixed seed. Every one is either accepted or refused by argparse or by the plugin's
 ``OverlapConfigError`` naming a flag, file or variable that exists, with its message starting

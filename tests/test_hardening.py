@@ -1,4 +1,4 @@
-"""Issue 25's findings, one test each: every input checked at start by one rule, refused naming
+"""The hardening findings, one test each: every input checked at start by one rule, refused naming
 its flag, file or variable and what would work; caches that cannot hurt a run; the planner only
 recommending what Megatron builds; commands checking their arguments before any rank starts;
 uninstall leaving a neighbour's wrapper in place. (The waits that say where: test_wait_sites.py;
@@ -18,7 +18,7 @@ import pytest
 import megatron_overlap
 from megatron_overlap import OverlapConfig, OverlapConfigError
 
-from .test_config import megatron_args, parse, parser_error
+from .flag_args import megatron_args, parse, parser_error
 
 
 def install_error(*flags, **megatron) -> OverlapConfigError:
@@ -93,7 +93,7 @@ def test_megatron_settings_named_in_messages_are_flags_megatron_has():
     import re
 
     from megatron_overlap.args import flag_for
-    from megatron_overlap.context import MEGATRON_PP_FLAGS
+    from megatron_overlap.model_context import MEGATRON_PP_FLAGS
 
     data = Path(__file__).parent / "data"
     real = {line for line in (data / "megatron_lm_parser_flags.txt").read_text().split() if line.startswith("--")}

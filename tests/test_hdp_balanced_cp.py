@@ -1,6 +1,6 @@
 """hdp.balanced_cp.FastBalancedCP against megatron-core's own ``BalancedCPScheduler``: the same
 groups, sample ids and failures on random batches (powers of two and not), and the same Plan
-through ``schedule_megatron_balanced`` on a heavy-tailed R = 256 batch (issue 24); hdp.both_models.for_both."""
+through ``schedule_megatron_balanced`` on a heavy-tailed R = 256 batch; hdp.bound_tradeoff.for_both."""
 
 import math
 import random
@@ -56,13 +56,13 @@ def test_the_same_plan_as_megatron_cores_on_a_large_heavy_tailed_batch():
 
 
 def test_for_both_keeps_ours_near_the_l2_bound_and_otherwise_the_better_of_the_worse_ratios():
-    """hdp.both_models.for_both: ours when it is within 1.10x of the L^2 bound; else a plan that
+    """hdp.bound_tradeoff.for_both: ours when it is within 1.10x of the L^2 bound; else a plan that
     is valid and no farther from the targets (the worse of step / (target x bound) per model)."""
     import dataclasses
 
     from megatron_overlap.cli.bench_hdp import draw_batches
     from megatron_overlap.hdp import HdpCostModel, schedule_hdp, simulate
-    from megatron_overlap.hdp.both_models import L2_TARGET, OURS_TARGET, for_both
+    from megatron_overlap.hdp.bound_tradeoff import L2_TARGET, OURS_TARGET, for_both
     from megatron_overlap.hdp.cost import SquareWorkload
     from megatron_overlap.hdp.simulate import lower_bound_ms
 

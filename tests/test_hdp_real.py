@@ -1,4 +1,4 @@
-"""HDP on the batches users train with (issue 24): ``bench hdp --batch-tokens`` cutting a lengths
+"""HDP on the batches users train with: ``bench hdp --batch-tokens`` cutting a lengths
 file, the refusal of a file that is one batch by accident, the guard that keeps a plan never more
 than 1% slower than megatron-core's under either cost model, and the planner's speed."""
 
@@ -110,12 +110,12 @@ def test_guard_never_slower_than_megatron_cores_plan_on_random_batches():
 
 
 def test_the_fast_planner_scores_every_ring_size_as_the_plain_loop_does():
-    """The scheduler's numpy scan over ring sizes (``sizes.RingSizes.estimates``) and the
+    """The scheduler's numpy scan over ring sizes (``ring_sizes.RingSizes.estimates``) and the
     lower bound's (``simulate.sequence_options``) give the plain loop's numbers exactly, under
     both cost models, so the fast planner makes the same plans."""
     from megatron_overlap.hdp.cost import SquareWorkload
     from megatron_overlap.hdp.simulate import sequence_options
-    from megatron_overlap.hdp.sizes import RingSizes
+    from megatron_overlap.hdp.ring_sizes import RingSizes
 
     class Plain:  # the same model without the vectorised method: sequence_options' loop
         def __init__(self, cost):
@@ -140,7 +140,7 @@ def test_the_fast_planner_scores_every_ring_size_as_the_plain_loop_does():
 
 
 def test_the_planners_numpy_paths_give_the_plain_loops_numbers():
-    """Issue 24's third pass (planner time): every vectorised or memoised step gives what the
+    """The planner-time pass: every vectorised or memoised step gives what the
     plain code gives, bit for bit, so the plans stay the same: the small ring sizes scored for
     all nodes at once (``RingSizes.small_estimates``) against ``best`` size by size, the sorted
     clocks and prefix sums against ``sorted`` and a running sum, the lower bound's scan of all
@@ -150,11 +150,11 @@ def test_the_planners_numpy_paths_give_the_plain_loops_numbers():
     import gc
 
     from megatron_overlap.hdp.cost import SquareWorkload
-    from megatron_overlap.hdp.gcpause import gc_paused
+    from megatron_overlap.hdp.collector_pause import gc_paused
     from megatron_overlap.hdp.locality import _node_weight
     from megatron_overlap.hdp.shard import ranks_needed
     from megatron_overlap.hdp.simulate import _items, options_many, sequence_options
-    from megatron_overlap.hdp.sizes import RingSizes
+    from megatron_overlap.hdp.ring_sizes import RingSizes
 
     rng = random.Random(7)
     for cost in (COST, HdpCostModel(gpus_per_node=4), SquareWorkload()):

@@ -1,9 +1,7 @@
-"""HDP runtime (issue 5): on 4 CPU gloo ranks, a tiny GPT (fp32, Megatron's local spec, TP 1,
+"""HDP runtime: on 4 CPU gloo ranks, a tiny GPT (fp32, Megatron's local spec, TP 1,
 CP 1) on a batch of short sequences held whole and long ones sharded over rings of 2 and 3 ranks
 gives the loss and the gradients of one process computing the mean over all tokens; the plan is
 the same on every rank; a one-rank ring runs packed documents; the refusals name the flag."""
-
-import random
 
 import pytest
 import torch
@@ -20,8 +18,8 @@ REL_TOL = 1e-5  # fp32; the sums run in another order than the reference's
 
 
 @pytest.fixture(scope="module")
-def exact_rope(pool4):
-    return pool4.run(hdp_rank_fns.exactness, random.randrange(1 << 20), "rope")
+def exact_rope(pool4, module_seed):
+    return pool4.run(hdp_rank_fns.exactness, module_seed, "rope")
 
 
 def _check_exact(results):
@@ -50,8 +48,8 @@ def test_rope_exact_against_one_process(exact_rope):
     assert all(r["own_group"] for r in exact_rope)  # rings and exchange on a communicator of their own
 
 
-def test_learned_absolute_positions_exact(pool4):
-    _check_exact(pool4.run(hdp_rank_fns.exactness, random.randrange(1 << 20), "learned_absolute"))
+def test_learned_absolute_positions_exact(pool4, seed):
+    _check_exact(pool4.run(hdp_rank_fns.exactness, seed, "learned_absolute"))
 
 
 def test_same_plan_on_every_rank(exact_rope):
@@ -67,10 +65,10 @@ def test_same_plan_on_every_rank(exact_rope):
     assert moved[0] <= schedule_hdp(lengths, 4, hdp_rank_fns.CAPACITY).moved_tokens(home)
 
 
-def test_tensor_parallel_inside_hdp_is_exact(pool4):
+def test_tensor_parallel_inside_hdp_is_exact(pool4, seed):
     """TP = 2 x HDP = 2: each HDP rank a TP group (TP-overlap linears, sequence parallelism),
     rings between the groups at the same TP rank; the loss and every gradient of plain DP x TP."""
-    results = pool4.run(hdp_rank_fns.exactness_tp, random.randrange(1 << 20))
+    results = pool4.run(hdp_rank_fns.exactness_tp, seed)
     for r in results:
         assert abs(r["loss"] - r["ref_loss"]) <= REL_TOL * abs(r["ref_loss"]), r
         worst = max(r["grad_rel"].items(), key=lambda kv: kv[1])
@@ -81,12 +79,12 @@ def test_tensor_parallel_inside_hdp_is_exact(pool4):
     assert len({r["signature"] for r in results}) == 1  # one plan on all four ranks
 
 
-def test_pipeline_parallel_hdp_is_exact(pool4):
+def test_pipeline_parallel_hdp_is_exact(pool4, seed):
     """PP = 2 x HDP = 2 (the scheduler's pp mode, chosen by the pipeline size), under Megatron's own 1F1B schedule (variable sequence
     lengths): each stage's HDP group is its data-parallel ranks, rings run between the two
     pipelines at the same stage and index, every rank runs the same number of slots; the loss and
     every gradient of plain DP x PP on the same documents."""
-    results = pool4.run(hdp_rank_fns.exactness_pp, random.randrange(1 << 20))
+    results = pool4.run(hdp_rank_fns.exactness_pp, seed)
     for r in results:
         assert "error" not in r, r.get("error")
         assert abs(r["loss"] - r["ref_loss"]) <= REL_TOL * abs(r["ref_loss"]), r
@@ -101,15 +99,15 @@ def test_pipeline_parallel_hdp_is_exact(pool4):
     assert len({r["loss"] for r in results}) == 1
 
 
-def test_one_rank_ring_runs_unpadded_packed_documents(pool4):
-    for r in pool4.run(hdp_rank_fns.one_rank_ring, random.randrange(1 << 20)):
+def test_one_rank_ring_runs_unpadded_packed_documents(pool4, seed):
+    for r in pool4.run(hdp_rank_fns.one_rank_ring, seed):
         assert r["pad_unchanged"]
         for causal in (True, False):
             assert max(r[causal].values()) <= REL_TOL, r
 
 
-def test_runtime_refusals(pool4):
-    results = pool4.run(hdp_rank_fns.runtime_errors, random.randrange(1 << 20))
+def test_runtime_refusals(pool4, seed):
+    results = pool4.run(hdp_rank_fns.runtime_errors, seed)
     for r in results:
         kind, _, msg = r["empty"]
         assert kind == "ValueError" and "empty batch" in msg, r["empty"]
@@ -251,7 +249,7 @@ def test_a_stage_that_reads_no_batch_still_moves_to_the_next_micro_batch():
 
 
 def test_a_recomputed_forward_runs_in_the_ring_of_its_forward(monkeypatch):
-    """Issue 38: Megatron's activation checkpoints re-run a forward inside the backward, where
+    """Megatron's activation checkpoints re-run a forward inside the backward, where
     the HDP micro-batch's ring context is no longer entered. With --overlap-hdp installed the function
     saved for the recomputation carries the ring of its forward (both checkpoint kinds); stock
     Megatron (uninstalled) recomputes with no ring. Trained through pretrain_gpt.py with
@@ -261,7 +259,7 @@ def test_a_recomputed_forward_runs_in_the_ring_of_its_forward(monkeypatch):
     import megatron_overlap
     from megatron.core.tensor_parallel import random as tp_random
 
-    from megatron_overlap.cp import context
+    from megatron_overlap.cp import ring_context
 
     # the CUDA RNG states Megatron's checkpoints save and restore: none on this CPU
     monkeypatch.setattr(tp_random, "_get_all_rng_states", lambda: ())
@@ -271,11 +269,11 @@ def test_a_recomputed_forward_runs_in_the_ring_of_its_forward(monkeypatch):
         seen = []
 
         def layer(x):
-            seen.append(context.current())
+            seen.append(ring_context.current())
             return x * 2
 
         x = torch.ones(3, requires_grad=True)
-        with context.ring(None, (0,)):  # an HDP micro-batch's forward
+        with ring_context.ring(None, (0,)):  # an HDP micro-batch's forward
             y = tp_random.checkpoint(layer, False, x)
             kept = tp_random.CheckpointWithoutOutput(fp8=None)  # as Megatron passes config.fp8 when off
             kept.checkpoint(layer, x)

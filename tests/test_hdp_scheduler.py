@@ -1,4 +1,4 @@
-"""HDP (issue 5): the scheduler's properties on many seeded random batches (hypothesis is not
+"""HDP: the scheduler's properties on many seeded random batches (hypothesis is not
 installed here), its errors, the two baselines (static CP, megatron-core's BalancedCPScheduler)
 and the bench's acceptance numbers. No torch.distributed, one process (plus two short
 interpreters for the hash-seed check)."""

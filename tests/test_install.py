@@ -9,8 +9,8 @@ import megatron_overlap
 from megatron_overlap import MegatronVersionError
 from megatron_overlap.integration import compat
 
-from . import rank_fns
-from .test_config import megatron_args, parse
+from . import tp_rank_fns
+from .flag_args import megatron_args, parse
 
 
 def _snapshot():
@@ -125,13 +125,13 @@ def test_full_megatron_args_install(caplog):
 
 
 def test_programmatic_install_checks_when_the_layer_runs(pool4):
-    for message in pool4.run(rank_fns.programmatic_install_checks_at_first_run, 4, 6):
+    for message in pool4.run(tp_rank_fns.programmatic_install_checks_at_first_run, 4, 6):
         assert message.startswith("OverlapConfigError: --overlap-tp-chunks: 6 is not a multiple of the tensor-parallel size 4"), message
     # without sequence parallelism the all-reduce path runs (tests/test_tp_allreduce.py), but not on fused
-    for message in pool4.run(rank_fns.sp_off_error, 2):
+    for message in pool4.run(tp_rank_fns.sp_off_error, 2):
         assert message.startswith("OverlapConfigError: --overlap-tp: fused: without --sequence-parallel the linears "
                                   "all-reduce"), message
-    for message in pool4.run(rank_fns.sp_off_error, 2, ["--overlap-tp", "p2p", "--overlap-tp-bidirectional"]):
+    for message in pool4.run(tp_rank_fns.sp_off_error, 2, ["--overlap-tp", "p2p", "--overlap-tp-bidirectional"]):
         assert message.startswith("OverlapConfigError: --overlap-tp-bidirectional: splits the chunks of a ring"), message
 
 

@@ -1,5 +1,5 @@
-"""The data-parallel sync in the pipeline's bubbles (issue: scale-lab): the weight-gradient
-drain (``tp/wgrad_store.py``), the simulator's DP model (``pp/simulate.py``), Megatron DDP's
+"""The data-parallel sync in the pipeline's bubbles: the weight-gradient
+drain (``tp/wgrad_store.py``), the simulator's DP model (``pp/schedule_sim.py``), Megatron DDP's
 bucket layout (``pp/buckets.py``) and the floor with the DP sync (``pp/optimal.py``). Pure: no
 ranks; the numerics through Megatron's DDP and distributed optimizer are in
 tests/test_pp_training.py."""
@@ -12,7 +12,7 @@ import torch
 from megatron_overlap.pp import ScheduleError, build
 from megatron_overlap.pp.buckets import buckets, default_bucket_size, stage_bucket_size
 from megatron_overlap.pp.optimal import floor
-from megatron_overlap.pp.simulate import DPSync, LinkCost, StageTimes, grad_segment, simulate
+from megatron_overlap.pp.schedule_sim import DPSync, LinkCost, StageTimes, grad_segment, simulate
 from megatron_overlap.tp.wgrad_store import WgradStore
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_overlap.pp import build
 from megatron_overlap.pp.optimal import floor
-from megatron_overlap.pp.simulate import LinkCost, StageTimes, simulate
+from megatron_overlap.pp.schedule_sim import LinkCost, StageTimes, simulate
 
 # bench pp's measured run (BENCHMARKS.md, 2026-12-01): F/B/W per stage and the link
 BENCH = [StageTimes(118.6, 120.4, 102.9), StageTimes(120.1, 119.8, 107.5)]

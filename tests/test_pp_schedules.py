@@ -1,5 +1,5 @@
-"""Pipeline schedules as data (issue: pipeline): every generated schedule validated over the
-issue's ranges, broken ones rejected with a message that says what is wrong, and the simulated
+"""Pipeline schedules as data: every generated schedule validated over the
+required ranges, broken ones rejected with a message that says what is wrong, and the simulated
 bubble of each against 1F1B's. Pure Python, no torch.distributed."""
 
 import dataclasses
@@ -12,7 +12,7 @@ from megatron_overlap.errors import OverlapConfigError
 from megatron_overlap.pp import ScheduleError, build, validate
 from megatron_overlap.pp.schedule import (ACT, B, F, GRAD, POST, RECV, SEND, WAIT, W, Action, Comm, compute, post,
                                           wait)
-from megatron_overlap.pp.simulate import LinkCost, StageTimes, simulate
+from megatron_overlap.pp.schedule_sim import LinkCost, StageTimes, simulate
 from megatron_overlap.pp.validate import _simulate
 
 

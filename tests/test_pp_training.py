@@ -1,9 +1,9 @@
-"""Pipeline schedules through Megatron's own training step (issue: pipeline): the tiny GPT on
+"""Pipeline schedules through Megatron's own training step: the tiny GPT on
 the local spec, stock 1F1B against each of ours from the same start, in the 4-rank pool: PP=2
 (as PP=2 x DP=2), PP=4, and TP=2 x PP=2 with TP overlap on; m in {p, 2p, 3p+1}; Megatron DDP
 with overlap_grad_reduce on and off.
 
-Tolerance 1e-6 (the issue's): our schedules run the same forward and backward ops on the same
+Tolerance 1e-6 (the required one): our schedules run the same forward and backward ops on the same
 tensors, with every weight gradient accumulated in micro-batch order as stock does, so in fp32
 on CPU they are expected bit-identical (the tests see 0.0); 1e-6 leaves room for a backend that
 reorders a reduction, nothing more."""
@@ -44,7 +44,7 @@ def test_every_schedule_trains_like_megatrons_1f1b(pool4, tp, pp, overlap_grad_r
 
 @pytest.mark.parametrize("overlap_grad_reduce", [False, True], ids=["ddp-sync", "ddp-overlap"])
 def test_sub_batches_under_zero_bubble(pool4, overlap_grad_reduce):
-    """TP=2 x PP=2, ZB-H1, each attention and MLP block cut into 2 sub-batches (issue: workload-partition):
+    """TP=2 x PP=2, ZB-H1, each attention and MLP block cut into 2 sub-batches:
     the sub-batches' weight gradients wait for W like any other and the losses and gradients
     stay within 1e-6 of stock 1F1B (the MLP weight gradients are summed per sub-batch, a few
     ulp from one GEMM; tests/test_training.py)."""
@@ -78,7 +78,7 @@ def test_forward_only_evaluates_like_megatron(pool4, tp, pp):
 
 def test_data_parallel_sync_in_the_bubbles_keeps_the_numerics(pool4):
     """PP=2 x DP=2, Megatron's distributed optimizer with overlap_grad_reduce and
-    overlap_param_gather (issue: scale-lab): our schedules dispatch the first parameter
+    overlap_param_gather: our schedules dispatch the first parameter
     all-gather at the step's start, and zb drains its trailing weight gradients layer by layer
     (inside the last B on stage 0, after it on stage 1). Each parameter's weight gradients are
     still added in micro-batch order and the same reduce-scatter and all-gather run, so the

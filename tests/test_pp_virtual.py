@@ -1,7 +1,7 @@
-"""Virtual pipelines as data (issue 23, part 1): Megatron's interleaved 1F1B exactly as
+"""Virtual pipelines as data: Megatron's interleaved 1F1B exactly as
 megatron-core orders its model chunks (checked against Megatron's own
 ``forward_backward_pipelining_with_interleaving``, run with its compute recorded), interleaved
-zero bubble and ZB-V validated over the issue's ranges, the bubble formulas, ZB-V at 1F1B's
+zero bubble and ZB-V validated over the required ranges, the bubble formulas, ZB-V at 1F1B's
 activation memory, and the floor below every schedule."""
 
 import random
@@ -14,7 +14,7 @@ from megatron_overlap.pp import build, validate
 from megatron_overlap.pp.chunks import interleaved_placement, v_placement
 from megatron_overlap.pp.optimal import floor
 from megatron_overlap.pp.schedule import POST
-from megatron_overlap.pp.simulate import LinkCost, StageTimes, simulate
+from megatron_overlap.pp.schedule_sim import LinkCost, StageTimes, simulate
 
 
 class _Group:
@@ -132,7 +132,7 @@ def test_zbv_turns_without_a_transfer_and_reaches_the_floor():
     """The V's turn (virtual stage p - 1 to p, both on the last stage) is a hand-over: no transfer
     to itself, 2 (2p - 2) transfers per micro-batch against interleaved's 2 (2p - 1). Where
     F = B = W, ZB-V is optimal at 1F1B's memory (the CP-SAT floor equals its step), and the floor
-    proves a bubble under ~0.37x stock interleaved's impossible there: the issue's 0.25x cannot be
+    proves a bubble under ~0.37x stock interleaved's impossible there: a 0.25x target cannot be
     met in this model (the last stage waits (p - 1) chunk forwards for its first input)."""
     p, m = 4, 8
     zbv, inter = build("zbv", p, m, chunks=2), build("megatron", p, m, chunks=2)
@@ -178,7 +178,7 @@ def test_bad_virtual_pipelines_are_refused_with_the_reason():
 def test_plan_ranks_stock_interleaved_and_ours_with_memory_per_stage():
     from megatron_overlap.tune.hardware import get_hardware
     from megatron_overlap.tune.models import RunSpec, get_model
-    from megatron_overlap.tune.planner import format_plan, make_plan
+    from megatron_overlap.tune.strategy_ranking import format_plan, make_plan
     from megatron_overlap.tune.published import published_rows
 
     plan = make_plan(get_model("llama3-70b"), RunSpec(tp=8, pp=4, dp=2, seq=8192, micro_batch=1, micro_batches=16,

@@ -1,11 +1,11 @@
-"""Virtual pipelines through Megatron's own training step (issue 23): the tiny GPT as PP=2 x
+"""Virtual pipelines through Megatron's own training step: the tiny GPT as PP=2 x
 VPP=2 (two model chunks per stage in Megatron's interleaved placement, each in its own Megatron
 DDP; PP=2 x DP=2 in the 4-rank pool) and PP=4 x VPP=2, Megatron's interleaved 1F1B against our
 interleaved ``1f1b`` and ``zb`` from the same start; m in {p, 2p, 3p} (PP=4: p, 3p); DDP with
 overlap_grad_reduce off and
 on (then each chunk's ``start_grad_sync`` is the ``grad_sync_func``, as Megatron-LM sets it).
 
-Tolerance 1e-6 (the issue's); expected and seen: bit-identical (0.0), because the same forward
+Tolerance 1e-6 (the required one); expected and seen: bit-identical (0.0), because the same forward
 and backward ops run on the same tensors and every weight gradient accumulates in micro-batch
 order per chunk as stock's. Megatron's P2P as Megatron-LM configures it with a virtual pipeline
 (overlapped, not batched): batched at PP=2 its schedule's step pairs an activation with a

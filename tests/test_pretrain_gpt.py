@@ -1,4 +1,4 @@
-"""Megatron-LM's own ``pretrain_gpt.py`` (issue: training-loop), stock against the plugin,
+"""Megatron-LM's own ``pretrain_gpt.py``, stock against the plugin,
 with gloo on this CPU: a tiny GPT (2 layers, hidden 128, seq 128, mock
 data), 5 iterations, the losses Megatron logs read exactly on the rank it prints from
 (``training_log``'s reduced values, not the log line), and the plugin's patched calls counted, so a run where the patch did
@@ -59,7 +59,7 @@ def test_tensor_and_context_parallel_together_train_like_tensor_parallel():
 
 
 def test_sub_batches_train_like_stock():
-    """`--overlap-tp-sub-batches 2` (issue: workload-partition) through the real script, dropout
+    """`--overlap-tp-sub-batches 2` through the real script, dropout
     off so the attention is cut too: every attention and MLP block of every iteration ran cut,
     and the losses are stock's within 1e-6 (the weight and key/value gradients are summed per
     part, a few ulp from one GEMM; over these 5 iterations the losses even come out equal)."""
@@ -83,7 +83,7 @@ def test_pipeline_schedules_train_like_megatrons_1f1b(mode):
 
 @pytest.mark.parametrize("mode", ["1f1b", "zb"])
 def test_virtual_pipeline_schedules_train_like_megatrons_interleaved_1f1b(mode):
-    """PP=2 x VPP=2 through the real script (issue 23): Megatron-LM turns on its overlapped P2P
+    """PP=2 x VPP=2 through the real script: Megatron-LM turns on its overlapped P2P
     for the interleaved schedule; ours takes Megatron's interleaved placement; losses bit-identical
     (the same ops on the same tensors; zb only moves the weight-gradient GEMMs). The CPU shim keeps
     the pipeline outputs (``lab/megatron_lm_cpu.py``): without it stock Megatron's own interleaved
@@ -217,7 +217,7 @@ def _checkpoints() -> str:
 
 
 def test_hdp_composes_with_recompute_overlapped_grad_reduce_evaluation_and_resume():
-    """Issue 38: --overlap-hdp with what long-context runs carry, through pretrain_gpt.py (DP=2, 5
+    """--overlap-hdp with what long-context runs carry, through pretrain_gpt.py (DP=2, 5
     iterations, an evaluation every 2), against plain DP over the same documents within 1e-6:
     selective recompute with the distributed optimizer's overlapped gradient reduction and
     parameter gather; full recompute (uniform, one layer) with DDP's overlapped gradient
@@ -246,7 +246,7 @@ def test_hdp_composes_with_recompute_overlapped_grad_reduce_evaluation_and_resum
 
 @pytest.mark.parametrize("mode, recompute", [("1f1b", SELECTIVE), ("zb", FULL)], ids=["1f1b", "zb"])
 def test_hdp_runs_under_our_pipeline_schedules(mode, recompute):
-    """Issue 38: --overlap-hdp (pipeline mode) at PP=2 x DP=2 under --overlap-pp 1f1b and zb (each
+    """--overlap-hdp (pipeline mode) at PP=2 x DP=2 under --overlap-pp 1f1b and zb (each
     micro-batch sent with its own length, the lengths checked between the stages once per step),
     with recompute, the distributed optimizer's overlapped gradient reduction and parameter
     gather, and an evaluation every 2 steps: stock PP=2 x DP=2's losses and evaluations within 1e-6."""

@@ -1,4 +1,4 @@
-"""Tensor parallelism without sequence parallelism (issue 35) through Megatron-LM's own
+"""Tensor parallelism without sequence parallelism through Megatron-LM's own
 ``pretrain_gpt.py``: TP=2 with no ``--sequence-parallel``, stock against the plugin's all-reduce
 path, its all-reduce fusion and its sub-batches, and TP=2 x DP=2 with the distributed optimizer
 (overlapped grad reduce and param gather). The launcher and its cache are

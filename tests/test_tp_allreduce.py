@@ -1,4 +1,4 @@
-"""Tensor parallelism without sequence parallelism (issue 35): the all-reduces of Megatron's
+"""Tensor parallelism without sequence parallelism: the all-reduces of Megatron's
 Column/Row linears overlapped (``tp/linear_ar.py``), sub-batches without SP, the all-reduce
 fusion (``tp/allreduce_fusion.py``) and the numerics it states, what the path refuses, and the
 emulated link counting and delaying stock's all-reduces as well as ours.
@@ -11,17 +11,14 @@ element in the order gloo's ring gives that piece, which differs from the order 
 tensor's all-reduce in the last bits, and the fusion's ring reduce-scatter sums partials in ring
 order: relative 1e-6 bounds both (measured ~5e-8 per op, ~4e-7 on the tiny GPT's gradients)."""
 
-import random
-
 import pytest
 
-from . import ar_rank_fns, rank_fns
+from . import ar_rank_fns, tp_rank_fns
 
 ROUNDING = 1e-6  # fp32 sums in another order (see the module docstring)
 
 
-def test_gemm_all_reduce_matches_one_gemm_and_the_stock_collective(pool4):
-    seed = random.randrange(1 << 20)
+def test_gemm_all_reduce_matches_one_gemm_and_the_stock_collective(pool4, seed):
     for rows in pool4.run(ar_rank_fns.ops_vs_reference, seed):
         for row in rows:
             assert row["rel"] <= ROUNDING, (seed, row)
@@ -31,11 +28,10 @@ def test_gemm_all_reduce_matches_one_gemm_and_the_stock_collective(pool4):
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("backend", ["p2p", "symm-mem"])
-def test_linears_without_sp_match_stock(pool4, tp, backend):
+def test_linears_without_sp_match_stock(pool4, tp, backend, seed):
     """QKV (GQA), fc1 (SwiGLU's doubled width) and fc2 on 27 rows (28 for symm-mem, whose
     all-reduce is its reduce-scatter and an all-gather), every chunk setting; symm-mem runs its
     composition with stock collectives in place of PyTorch's CUDA-only fused ops."""
-    seed = random.randrange(1 << 20)
     rows = [r for rank in pool4.run(ar_rank_fns.layer_parity, tp, backend, seed) for r in rank]
     assert len(rows) == 4 * 3 * 4 * (3 if backend == "p2p" else 1)
     for row in rows:
@@ -47,9 +43,8 @@ def test_linears_without_sp_match_stock(pool4, tp, backend):
         assert row["rel"] <= ROUNDING, (seed, row)
 
 
-def test_gradient_accumulation_fusion_without_sp(pool4):
+def test_gradient_accumulation_fusion_without_sp(pool4, seed):
     """``main_grad`` accumulation (Megatron's default where apex exists) on the all-reduce path."""
-    seed = random.randrange(1 << 20)
     rows = [r for rank in pool4.run(ar_rank_fns.layer_parity, 2, "p2p", seed, True) for r in rank]
     assert {r["tensor"] for r in rows} >= {"weight.main_grad", "weight.grad_added_to_main_grad"}
     assert all(r["equal"] for r in rows), [r for r in rows if not r["equal"]][:3]
@@ -86,9 +81,9 @@ def test_emulated_link_delays_stock_all_reduces_as_ours(pool4, tp):
 
 def test_fused_and_bidirectional_refused_without_sp_at_first_run(pool4):
     """A programmatic install learns the model when a layer first runs: the same messages."""
-    for message in pool4.run(rank_fns.sp_off_error, 2, ["--overlap-tp", "fused"]):
+    for message in pool4.run(tp_rank_fns.sp_off_error, 2, ["--overlap-tp", "fused"]):
         assert message.startswith("OverlapConfigError: --overlap-tp: fused: without --sequence-parallel"), message
-    for message in pool4.run(rank_fns.sp_off_error, 2, ["--overlap-tp", "p2p", "--overlap-tp-rs", "a2a"]):
+    for message in pool4.run(tp_rank_fns.sp_off_error, 2, ["--overlap-tp", "p2p", "--overlap-tp-rs", "a2a"]):
         assert message.startswith("OverlapConfigError: --overlap-tp-rs: picks the reduce-scatter"), message
 
 
@@ -104,7 +99,7 @@ def test_tp1_without_sp_says_it_does_nothing(caplog):
 
     import megatron_overlap
 
-    from .test_config import megatron_args
+    from .flag_args import megatron_args
 
     with caplog.at_level(logging.WARNING, logger="megatron_overlap"):
         inst = megatron_overlap.install(megatron_args("--overlap-tp", "p2p", tp=1, sp=False))
@@ -114,14 +109,13 @@ def test_tp1_without_sp_says_it_does_nothing(caplog):
                for m in said), said
 
 
-def test_fusion_op_keeps_stocks_numerics(pool4):
+def test_fusion_op_keeps_stocks_numerics(pool4, seed):
     """The fused op against stock's own ops (one GEMM, the all-reduce, ``+ bias``, ``F.dropout``,
     ``residual +``; autograd through them) from the same generator state, which is what the
     fusion states it keeps: the generator left where stock leaves it (the mask drawn whole, in
     one draw) and every rank applying stock's mask to its rows; stock's backward (every gradient
     stock's bits at TP 2 and 4: it sums nothing); the output stock's bits at TP=2, and within
     rounding at TP=4 (the ring reduce-scatter's summation order)."""
-    seed = random.randrange(1 << 20)
     for rows in pool4.run(ar_rank_fns.fusion_op_vs_reference, seed):
         for r in rows:
             assert r["rng_same"], (seed, r)
@@ -166,7 +160,7 @@ def test_traces_mark_the_all_reduce_waits(pool4):
 def _plan(tp, hardware="a100-pcie", **run):
     from megatron_overlap.tune.hardware import get_hardware
     from megatron_overlap.tune.models import RunSpec, get_model
-    from megatron_overlap.tune.planner import make_plan
+    from megatron_overlap.tune.strategy_ranking import make_plan
 
     return make_plan(get_model("llama3-8b"), RunSpec(tp=tp, sequence_parallel=False, **run), get_hardware(hardware))
 
@@ -211,7 +205,7 @@ def test_plan_recommends_stock_where_overlap_cannot_pay():
 def test_plan_cli_without_sequence_parallel(capsys):
     import json
 
-    from megatron_overlap.cli.plan import main
+    from megatron_overlap.cli.plan_command import main
 
     assert main(["--model", "llama3-8b", "--tp", "4", "--hardware", "a100-pcie", "--no-sequence-parallel",
                  "--json"]) == 0
@@ -234,7 +228,7 @@ def test_bench_layer_without_sp_smoke():
     gradients stock's (the fusion's bit for bit), the bound without SP reported."""
     import json
 
-    from .test_cli import cli
+    from .cli_runner import cli
 
     out = cli("bench", "layer", "--hidden", "64", "--ffn", "128", "--heads", "4", "--seq", "64", "--steps", "1",
               "--warmup", "1", "--overlap-tp-sub-batches", "2", "--no-sequence-parallel", "--overlap-tp-allreduce-fusion",
@@ -251,7 +245,7 @@ def test_bench_layer_without_sp_smoke():
 
 
 def test_bench_refuses_what_sp_off_cannot_run():
-    from .test_cli import cli
+    from .cli_runner import cli
 
     out = cli("bench", "mlp", "--overlap-tp-allreduce-fusion", "--no-progress")
     assert out.returncode != 0 and "--overlap-tp-allreduce-fusion splits the all-reduces of TP without sequence parallelism; " \

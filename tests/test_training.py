@@ -4,7 +4,7 @@ the plugin's losses equal stock Megatron's, with overlap_grad_reduce on and off.
 import pytest
 import torch
 
-from . import rank_fns
+from . import gpt_rank_fns, rank_helpers, tp_rank_fns
 
 # Losses are means over the global batch in fp32. Per-op differences are <= ~1e-7 relative
 # (see test_parity); through 10 SGD steps they stay far below 1e-5.
@@ -23,8 +23,8 @@ STEPS = 10
 )
 @pytest.mark.parametrize("overlap_grad_reduce", [False, True], ids=["ogr-off", "ogr-on"])
 def test_losses_match_stock(pool4, tp, flags, overlap_grad_reduce):
-    stock = pool4.run(rank_fns.gpt_losses, tp, STEPS, [], overlap_grad_reduce)
-    ours = pool4.run(rank_fns.gpt_losses, tp, STEPS, flags, overlap_grad_reduce)
+    stock = pool4.run(gpt_rank_fns.gpt_losses, tp, STEPS, [], overlap_grad_reduce)
+    ours = pool4.run(gpt_rank_fns.gpt_losses, tp, STEPS, flags, overlap_grad_reduce)
     for rank in range(4):
         assert len(ours[rank]) == STEPS
         for step, (a, b) in enumerate(zip(ours[rank], stock[rank])):
@@ -39,8 +39,8 @@ def test_held_back_wgrads_train_like_stock(pool4, overlap_grad_reduce):
     its transfers (tp/wgrad_store.py) and holds DDP's grad-ready registration until they ran:
     the losses are stock's bit for bit (TP=2: the same GEMMs on the same tensors, only later),
     and the store was used."""
-    stock = pool4.run(rank_fns.gpt_losses_fused_wgrad, 2, STEPS, [], overlap_grad_reduce)
-    ours = pool4.run(rank_fns.gpt_losses_fused_wgrad, 2, STEPS, ["--overlap-tp", "p2p"], overlap_grad_reduce)
+    stock = pool4.run(gpt_rank_fns.gpt_losses_fused_wgrad, 2, STEPS, [], overlap_grad_reduce)
+    ours = pool4.run(gpt_rank_fns.gpt_losses_fused_wgrad, 2, STEPS, ["--overlap-tp", "p2p"], overlap_grad_reduce)
     for rank in range(4):
         assert ours[rank]["losses"] == stock[rank]["losses"], rank
         # 2 layers x (qkv, proj, fc1, fc2) + the output layer: 9 wgrads held back per step
@@ -54,11 +54,11 @@ def test_sequence_parallel_with_the_torch_norm_without_apex(pool4):
     sums their gradients over TP, and trains bit for bit as stock Megatron with an SP norm
     (the lab's shim: apex's math, its parameters marked the same way)."""
     steps = 3
-    stock = pool4.run(rank_fns.stock_spec_losses, 2, [], steps)
+    stock = pool4.run(gpt_rank_fns.stock_spec_losses, 2, [], steps)
     assert all("sequence parallel not supported by torch LayerNorm" in r["error"] for r in stock), stock
-    ours = pool4.run(rank_fns.stock_spec_losses, 2, ["--overlap-tp", "p2p"], steps)
+    ours = pool4.run(gpt_rank_fns.stock_spec_losses, 2, ["--overlap-tp", "p2p"], steps)
     assert all(r["marked"] and r["norms"] == 2 * 2 + 1 for r in ours), ours  # 2 per layer + the final norm
-    reference = pool4.run(rank_fns.stock_spec_losses, 2, [], steps, True)  # stock linears, the lab's SP norm
+    reference = pool4.run(gpt_rank_fns.stock_spec_losses, 2, [], steps, True)  # stock linears, the lab's SP norm
     for r, ref in zip(ours, reference):
         assert r["losses"] == ref["losses"], (r["losses"], ref["losses"])
 
@@ -69,15 +69,15 @@ SUB_STEPS = 3
 @pytest.mark.parametrize("overlap_grad_reduce", [False, True], ids=["ogr-off", "ogr-on"])
 @pytest.mark.parametrize("tp,n", [(2, 2), (2, 3), (4, 2), (4, 3)], ids=["tp2-sub2", "tp2-sub3", "tp4-sub2", "tp4-sub3"])
 def test_sub_batches_match_stock(pool4, tp, n, overlap_grad_reduce):
-    """Each attention and MLP block cut into n sub-batches (issue: workload-partition; uneven for
+    """Each attention and MLP block cut into n sub-batches (uneven for
     n = 3: 32 rows per rank -> 11, 11, 10 at TP=2, 16 -> 6, 5, 5 at TP=4): losses within 1e-6 of
     stock and every gradient of the first step within 1e-6 relative. The forward computes every
     row with the same GEMMs and the same softmax as stock, so at TP=2 (where per-op overlap is
     stock's bits) the first loss is bit-identical; the backward sums the MLP weight gradients
     and the attention's key/value gradients per sub-batch, a few ulp from one GEMM."""
     flags = ["--overlap-tp", "p2p", "--overlap-tp-sub-batches", str(n)]
-    stock = pool4.run(rank_fns.gpt_losses_and_grads, tp, SUB_STEPS, [], overlap_grad_reduce)
-    ours = pool4.run(rank_fns.gpt_losses_and_grads, tp, SUB_STEPS, flags, overlap_grad_reduce)
+    stock = pool4.run(gpt_rank_fns.gpt_losses_and_grads, tp, SUB_STEPS, [], overlap_grad_reduce)
+    ours = pool4.run(gpt_rank_fns.gpt_losses_and_grads, tp, SUB_STEPS, flags, overlap_grad_reduce)
     for rank in range(4):
         s, o = stock[rank], ours[rank]
         # 2 layers, every step: both blocks of every layer ran cut
@@ -87,7 +87,7 @@ def test_sub_batches_match_stock(pool4, tp, n, overlap_grad_reduce):
         if tp == 2:
             assert o["losses"][0] == s["losses"][0], (rank, o["losses"], s["losses"])
         for name, grad in s["grads"].items():
-            diff = rank_fns._rel(o["grads"][name], grad)
+            diff = rank_helpers.rel(o["grads"][name], grad)
             assert diff <= 1e-6, (rank, name, diff)
     assert stock[0]["losses"][-1] < stock[0]["losses"][0]
 
@@ -97,8 +97,8 @@ def test_sub_batches_with_context_parallelism(pool4, overlap_grad_reduce):
     """TP=2 x CP=2 (ring): the attention runs whole (CP has its own), the MLP is cut; losses
     and gradients within 1e-6 of the same CP run without sub-batches."""
     base = ["--overlap-tp", "p2p", "--overlap-cp", "ring"]
-    whole = pool4.run(rank_fns.gpt_losses_and_grads, 2, SUB_STEPS, base, overlap_grad_reduce, cp=2)
-    cut = pool4.run(rank_fns.gpt_losses_and_grads, 2, SUB_STEPS, base + ["--overlap-tp-sub-batches", "2"],
+    whole = pool4.run(gpt_rank_fns.gpt_losses_and_grads, 2, SUB_STEPS, base, overlap_grad_reduce, cp=2)
+    cut = pool4.run(gpt_rank_fns.gpt_losses_and_grads, 2, SUB_STEPS, base + ["--overlap-tp-sub-batches", "2"],
                     overlap_grad_reduce, cp=2)
     for rank in range(4):
         w, c = whole[rank], cut[rank]
@@ -106,14 +106,14 @@ def test_sub_batches_with_context_parallelism(pool4, overlap_grad_reduce):
         for a, b in zip(c["losses"], w["losses"]):
             assert abs(a - b) <= 1e-6 * abs(b), (rank, c["losses"], w["losses"])
         for name, grad in w["grads"].items():
-            assert rank_fns._rel(c["grads"][name], grad) <= 1e-6, (rank, name)
+            assert rank_helpers.rel(c["grads"][name], grad) <= 1e-6, (rank, name)
 
 
 def test_sub_batches_leave_blocks_whole_where_they_cannot_cut(pool4):
     """The settings a cut cannot honour leave the block whole (with a notice naming the reason,
     issued by the patched forward): sliding windows and the fused softmax (both assume the whole
     square of queries), a frozen projection, inference, Megatron-FSDP weights."""
-    r = pool4.run(rank_fns.sub_batch_whole_reasons, 2)[0]
+    r = pool4.run(tp_rank_fns.sub_batch_whole_reasons, 2)[0]
     assert r["plain"] == (None, None), r
     assert "sliding-window" in r["window"] and "fused softmax" in r["fused"], r
     assert "frozen" in r["frozen"] and "inference" in r["inference"] and "FSDP" in r["fsdp"], r
@@ -123,7 +123,7 @@ def test_sub_batches_refuse_rows_they_cannot_cut(pool4):
     """Too few rows per rank for the sub-batches (or for the chunks of each sub-batch) is an
     error naming the flag when training; without gradients (inference, decode) the block runs
     whole, with a notice, and gives stock's output."""
-    r = pool4.run(rank_fns.sub_batch_row_errors, 2)[0]
+    r = pool4.run(tp_rank_fns.sub_batch_row_errors, 2)[0]
     assert r["too_many"].startswith("OverlapConfigError: --overlap-tp-sub-batches") and \
         "fewer than the 40 sub-batches" in r["too_many"], r
     assert "fewer than the 8 chunks per rank of --overlap-tp-chunks 16" in r["chunks"], r

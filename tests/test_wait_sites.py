@@ -1,4 +1,4 @@
-"""Failures that say where (issue 25): with ``--overlap-timeout-s 2`` and the process groups'
+"""Failures that say where: with ``--overlap-timeout-s 2`` and the process groups'
 timeout at 60 s, a peer frozen (alive, silent) or killed in a TP ring, a CP ring, an HDP ring,
 the HDP exchange and a pipeline transfer ends the survivor's wait within the flag's seconds +
 10 s, with an error naming the op, the layer or micro-batch and the peer rank. Cheap on purpose:

@@ -53,8 +53,8 @@ def add_mlp_args(parser: argparse.ArgumentParser, layer: bool = False):
 
 
 def check_mlp(cfg, command: str) -> None:
-    """The bench's arguments, before its ranks start (``cli/checks.py``)."""
-    from .checks import amounts, counts, tp_chunks
+    """The bench's arguments, before its ranks start (``cli/arg_checks.py``)."""
+    from .arg_checks import amounts, counts, tp_chunks
 
     counts(command, tp=(cfg.tp, 2), seq=(cfg.seq, 1), hidden=(cfg.hidden, 1), ffn=(cfg.ffn, 1),
            micro_batch=(cfg.micro_batch, 1), steps=(cfg.steps, 1), warmup=(cfg.warmup, 0),
@@ -123,7 +123,7 @@ def add_attention_args(parser: argparse.ArgumentParser):
 def attention_main(args) -> int:
     from .bench_attention import AttentionBench, format_table, run
 
-    from .checks import amounts, counts
+    from .arg_checks import amounts, counts
 
     fields = AttentionBench.__dataclass_fields__
     command = "megatron-overlap bench attention"

@@ -25,7 +25,7 @@ and not run, and with every transfer free):
     peak act GB     micro-batches held at the peak (counted as the blocks run) x the cost
                     model's activations of one micro-batch on a stage (Korthikanti, flash)
     CPU             the busiest rank's CPU time per step, and its share of the step
-    predicted       pp/simulate.py on the same F/B/W, link and the run's own DDP buckets
+    predicted       pp/schedule_sim.py on the same F/B/W, link and the run's own DDP buckets
     floor           pp/optimal.py with the DP sync, at 1.05x 1F1B's activation memory (CP-SAT)
 """
 
@@ -35,19 +35,17 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 
 from ..lab.cluster import ALL_MODES, MODES, ClusterConfig
+from .cluster_report import FLOOR_MEMORY, draw_timeline, format_table
 from .cluster_virtual import VIRTUAL_MODES, check_virtual, schedule_syncs, virtual_floor
 
-NAMES = {"stock": "stock Megatron 1F1B", "1f1b": "1f1b (async P2P)", "zb": "zb (ZB-H1, drained)",
-         "1f1b-inflight": "1f1b, K = 2p-1", "zbv": "zbv (ZB-V)"}
 KINDS = {"stock": "megatron", "1f1b": "1f1b", "zb": "zb", "1f1b-inflight": "1f1b", "zbv": "zbv", "1f1b-ec": "1f1b",
          "zb-ec": "zb", "zbv-ec": "zbv"}
 
 RANKS_PER_CORE = 8  # emulated ranks one core serves with their wake-ups on time (BENCHMARKS.md, the lab check)
 RANK_MEMORY_GB = 0.6  # resident memory per emulated rank: 0.43 GB measured (RSS, PP=8, shared pages counted), plus margin
-FLOOR_MEMORY = 1.05
 
 
 class BenchError(SystemExit):
@@ -152,8 +150,6 @@ def run(cfg: ClusterConfig, progress: bool = True, timeline_png: str = "", floor
         ranks.close()
     result = summarize(cfg, rounds, described, floor_time_s)
     if timeline_png:
-        from .cluster_report import draw_timeline
-
         result["timeline_png"] = draw_timeline(rounds[-1], cfg, timeline_png)
     return result
 
@@ -163,7 +159,7 @@ def predict(cfg: ClusterConfig, described: list) -> dict:
     the ranks built them."""
     from ..lab.cluster import modelled, placement
     from ..pp import build
-    from ..pp.simulate import LinkCost, simulate
+    from ..pp.schedule_sim import LinkCost, simulate
 
     costs, _run, hw = modelled(cfg)
     per_mode = {mode: stage_syncs(cfg, costs, described, hw, mode) for mode in cfg.modes}
@@ -188,7 +184,7 @@ def predict(cfg: ClusterConfig, described: list) -> dict:
 
 def stage_syncs(cfg: ClusterConfig, costs, described: list, hw, mode: str = "") -> list:
     """Each stage's ``DPSync`` from the buckets its ranks built for ``mode`` (modelled elements: / scale)."""
-    from ..pp.simulate import DPSync
+    from ..pp.schedule_sim import DPSync
     from ..tune.virtual import bucket_sync
 
     if cfg.dp <= 1:
@@ -341,18 +337,12 @@ def emulate_main(args) -> int:
     cfg = ClusterConfig(**values)
     check(cfg, ranks=args.ranks or 0)
     result = run(cfg, progress=not args.no_progress, timeline_png=args.timeline, floor_time_s=args.floor_time_limit)
-    from .cluster_report import format_table
-
     print(format_table(result))
     if args.timeline:
         print(f"timeline: {result['timeline_png']}")
     if args.json:
         print(json.dumps(result, default=str))
     return 0
-
-
-def replace_cfg(cfg: ClusterConfig, **kw) -> ClusterConfig:
-    return replace(cfg, **kw)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -152,7 +152,7 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
     import contextlib
     import dataclasses
 
-    from ..hdp.both_models import for_both
+    from ..hdp.bound_tradeoff import for_both
     from ..hdp.guard import guarded
 
     from tqdm import tqdm

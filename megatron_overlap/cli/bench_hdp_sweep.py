@@ -25,8 +25,6 @@ import json
 import sys
 from typing import Dict, List
 
-MULTIPLES = (1, 2, 4, 8)
-RANKS = (64, 256)
 SHOWN = ("static", "megatron_balanced", "hdp")
 
 

@@ -14,7 +14,7 @@ rounds. Per schedule:
     exposed P2P ms   step - the same schedule's step on a free link, in the same round
     peak act MB      bytes autograd held for backward (saved-tensor hooks; distinct storages),
                      plus what waits for a W, at the peak, on the stage with the most
-    predicted ms     the schedule simulated (pp/simulate.py) from this run's F, B, W times per
+    predicted ms     the schedule simulated (pp/schedule_sim.py) from this run's F, B, W times per
                      stage and the link's transfer time: simulated, beside the measurement
 
 Beside them, the floor: the shortest step any schedule reaches on the run's F/B/W and link
@@ -75,7 +75,7 @@ def run(cfg: PPBench, progress: bool = True, timeline_png: str = "") -> dict:
 
 def predict(cfg: PPBench, described: list) -> dict:
     from ..pp import build
-    from ..pp.simulate import LinkCost, StageTimes, simulate
+    from ..pp.schedule_sim import LinkCost, StageTimes, simulate
 
     times = [StageTimes(d["times_ms"]["F"], d["times_ms"]["B"], d["times_ms"]["W"]) for d in described]
     link = LinkCost(transfer_ms=described[0]["transfer_ms"], latency_ms=described[0]["link"]["latency_us"] * 1e-3)
@@ -141,13 +141,13 @@ def summarize(cfg: PPBench, rounds: list, described: list) -> dict:
     return result
 
 
-FLOOR_MEMORY = 1.05  # the issue's bound on ZB-H1's peak activation memory, x 1F1B's
+FLOOR_MEMORY = 1.05  # the bound on ZB-H1's peak activation memory we hold it to, x 1F1B's
 
 
 def _floor(cfg: PPBench, described: list) -> dict:
     """The shortest step any schedule reaches on this run's F/B/W and link within 1.05x 1F1B's
     activation memory (``pp/optimal.py``; simulated), or why it was not computed."""
-    from ..pp.simulate import StageTimes
+    from ..pp.schedule_sim import StageTimes
     from .floor import compare
 
     times = [StageTimes(d["times_ms"]["F"], d["times_ms"]["B"], d["times_ms"]["W"]) for d in described]
@@ -182,7 +182,7 @@ def format_table(result: dict) -> str:
     lines.append("on a free link (the schedule alone), bubble / slowest stage's: " + "; ".join(
         f"{NAMES[m]} {100 * r['free_link_bubble']:.1f}% / {100 * r['free_link_critical_bubble']:.1f}% "
         f"(x{ratio(r['free_link_critical_bubble_vs_stock'])})" for m, r in result["modes"].items()))
-    lines.append("simulated (pp/simulate.py, from this run's F/B/W and link): " + "; ".join(
+    lines.append("simulated (pp/schedule_sim.py, from this run's F/B/W and link): " + "; ".join(
         f"{NAMES[m]} bubble {100 * r['predicted_bubble']:.1f}%, slowest {100 * r['predicted_critical_bubble']:.1f}% "
         f"(free link {100 * r['predicted_free_link_critical_bubble']:.1f}%), exposed P2P "
         f"{r['predicted_p2p_exposed_ms']:.1f} ms" for m, r in result["modes"].items()))
@@ -281,7 +281,7 @@ def pp_main(args) -> int:
     values = {f.name: (getattr(args, f.name) if getattr(args, f.name, None) is not None else getattr(defaults, f.name))
               for f in fields(PPBench) if hasattr(args, f.name)}
     cfg = PPBench(**values)
-    from .checks import amounts, counts  # every value checked before the ranks start
+    from .arg_checks import amounts, counts  # every value checked before the ranks start
 
     counts("bench pp", **{_flag(f.name)[2:].replace("-", "_"): (getattr(cfg, f.name), 0 if f.name == "warmup" else 1)
                           for f in fields(PPBench) if f.type in ("int", int) and f.name != "seed"})

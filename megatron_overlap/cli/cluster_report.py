@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from ..lab.cluster import ClusterConfig
-from .bench_cluster import FLOOR_MEMORY, NAMES
 from .cluster_virtual import VIRTUAL_NAMES
+
+NAMES = {"stock": "stock Megatron 1F1B", "1f1b": "1f1b (async P2P)", "zb": "zb (ZB-H1, drained)",
+         "1f1b-inflight": "1f1b, K = 2p-1", "zbv": "zbv (ZB-V)"}
+FLOOR_MEMORY = 1.05  # the floor's bound on activation memory, x stock's (1F1B, or interleaved)
 
 
 def _names(cfg) -> dict:
@@ -49,7 +52,7 @@ def format_table(result: dict) -> str:
             f"{r['peak_activation_gb']:>8.1f}{r['cpu_ms']:>8.0f}{100 * r['cpu_share']:>5.1f}%"
             f"{r['predicted_step_ms']:>11.1f}{100 * r['prediction_error']:>+6.1f}%"
             + (f"{r['vs_floor']:>8.3f}" if r.get("vs_floor") else f"{'-':>8}"))
-    lines.append("simulated (pp/simulate.py, this run's F/B/W, link and buckets): " + "; ".join(
+    lines.append("simulated (pp/schedule_sim.py, this run's F/B/W, link and buckets): " + "; ".join(
         f"{names[m]} exposed P2P {r['predicted_p2p_exposed_ms']:.1f} ms, DP {r['predicted_dp_exposed_ms']:.1f} ms"
         for m, r in result["modes"].items()))
     fl = result["floor"]

@@ -15,7 +15,7 @@ reduce after it, so the floor runs with a relaxation that stays a lower bound: p
 buckets of its cheapest chunk after the last gradient, and chunk 0's parameter gather (the
 first forward's) at the start, from the finest cut any schedule's DDP made (every-chunk: buckets on
 every chunk), since a finer cut only relaxes it. The floor is the smaller over the interleaved and (v = 2) the V
-placement, at the memory the issue allows: 1.05x stock interleaved's peak per stage.
+placement, at the memory allowed: 1.05x stock interleaved's peak per stage.
 """
 
 from __future__ import annotations

@@ -237,7 +237,7 @@ def _pp_main(args) -> int:
         raise SystemExit(f"demo --pp runs its own pipeline (one rank per stage) and does not read {names}; drop "
                          f"{'them' if len(given) > 1 else 'it'} (it takes --steps, --hidden, --timeline, --json, "
                          "--no-progress)")
-    from .checks import counts
+    from .arg_checks import counts
 
     hidden = args.hidden if args.hidden is not None else PP_HIDDEN
     counts("demo --pp", pp=(args.pp, 2), steps=(args.steps if args.steps is not None else 8, 1), hidden=(hidden, 1))

@@ -41,7 +41,7 @@ def check_config(cfg: DemoConfig) -> None:
     the layout, and the model's shape by the rules install applies (``rules``), each refusal
     naming the flag."""
     from ..rules import model_shape_problems
-    from .checks import amounts, counts
+    from .arg_checks import amounts, counts
 
     counts("demo", ranks=(cfg.world, 1), tp=(cfg.tp, 1), cp=(cfg.cp, 1), steps=(cfg.steps, 1),
            warmup=(cfg.warmup, 0), seq=(cfg.seq, 1), hidden=(cfg.hidden, 1), layers=(cfg.layers, 1),
@@ -58,7 +58,7 @@ def check_config(cfg: DemoConfig) -> None:
         raise SystemExit(f"demo: {flag}: the tiny GPT ({cfg.heads} heads, {cfg.kv_heads} key/value heads, seq "
                          f"{cfg.seq}) cannot be built: {reason}")
     if cfg.tp > 1:
-        from .checks import tp_chunks
+        from .arg_checks import tp_chunks
 
         tp_chunks("demo", cfg.chunks, cfg.tp, cfg.seq // (cfg.tp * cfg.cp))
     if cfg.cp > 1 and cfg.overlap_cp in ("a2a", "hybrid"):

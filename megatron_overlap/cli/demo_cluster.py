@@ -67,7 +67,7 @@ def run_cluster_part(cfg, progress: bool = True) -> dict:
 
 
 def format_cluster_part(result: dict) -> str:
-    from .bench_cluster import NAMES
+    from .cluster_report import NAMES
 
     cfg = result["config"]
     lines = [

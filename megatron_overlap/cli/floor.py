@@ -11,7 +11,7 @@ import sys
 
 
 def _times(text: str):
-    from ..pp.simulate import StageTimes
+    from ..pp.schedule_sim import StageTimes
 
     try:
         f, b, w = (float(x) for x in text.split("/"))
@@ -57,7 +57,7 @@ def compare(times, microbatches: int, transfer_ms: float, latency_ms: float, mem
     simulated steps of Megatron's 1F1B and of ours for the same times."""
     from ..pp import build
     from ..pp.optimal import floor
-    from ..pp.simulate import LinkCost, simulate
+    from ..pp.schedule_sim import LinkCost, simulate
 
     p, m = len(times), microbatches
     link = LinkCost(transfer_ms=transfer_ms, latency_ms=latency_ms)
@@ -84,12 +84,12 @@ def format_floor(result: dict) -> str:
         mark = "" if r.get("optimal", True) else f"  (best found; proved >= {r['bound_ms']:.1f} ms)"
         lines.append(f"{name:28}{r['step_ms']:>10.1f}{100 * r['bubble']:>7.1f}%{r['bubble_vs_stock']:>8.2f}x{mark}")
     lines.append("floor: no schedule of the model is shorter (CP-SAT, proved unless marked); stock and ours: "
-                 "their schedules simulated (pp/simulate.py)")
+                 "their schedules simulated (pp/schedule_sim.py)")
     return "\n".join(lines)
 
 
 def floor_main(args) -> int:
-    from .checks import amounts, counts
+    from .arg_checks import amounts, counts
 
     counts("floor", stages=(args.stages, 0), micro_batches=(args.microbatches, 1))
     amounts("floor", ("memory", "time_limit"), transfer_ms=args.transfer_ms, latency_ms=args.latency_ms,

@@ -7,7 +7,14 @@ import os
 import sys
 
 
-def _parser() -> argparse.ArgumentParser:
+# The commands of the plugin itself: their arguments are built without importing the lab, the
+# benches or the demo (tests/test_layout.py checks what ``run`` loads).
+PLUGIN_COMMANDS = ("run", "check", "report")
+
+
+def _parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line; with ``only`` one of ``PLUGIN_COMMANDS``, the other commands are named
+    (for ``--help``) without their arguments, whose modules are left unimported."""
     parser = argparse.ArgumentParser(
         prog="megatron-overlap",
         description="Hide the communication of Megatron-LM's 4D parallelism behind its compute, switched on by "
@@ -31,11 +38,42 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER)
 
+    if only in PLUGIN_COMMANDS:
+        for name, text in _OTHER_COMMANDS:
+            sub.add_parser(name, help=text)
+    else:
+        _add_other_commands(sub)
+
+    report = sub.add_parser("report", help="summarize and draw the traces of --overlap-trace / demo --trace")
+    report.add_argument("directory")
+    report.add_argument("--timeline", default="", metavar="PNG", help="draw the timeline here (default: "
+                        "DIR/timeline.png)")
+    from ..args import add_alias
+
+    add_alias(report, "--png", "--timeline")
+
+    check = sub.add_parser("check", help="print versions and which backends are usable here")
+    check.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    return parser
+
+
+_OTHER_COMMANDS = (
+    ("demo", "the CPU demo: stock vs overlapped training on an emulated link"),
+    ("bench", "benchmarks"),
+    ("floor", "the shortest pipeline step any schedule can reach for given F/B/W times, link and memory "
+              "(CP-SAT; simulated)"),
+    ("plan", "rank the strategies (TP overlap, sub-batches, pipeline schedules) for a model on a machine (cost model)"),
+)
+
+
+def _add_other_commands(sub) -> None:
+    """The lab's commands: the demo, the benches, the floor and the planner."""
+    texts = dict(_OTHER_COMMANDS)
     from .demo import add_demo_args
 
-    add_demo_args(sub.add_parser("demo", help="the CPU demo: stock vs overlapped training on an emulated link"))
+    add_demo_args(sub.add_parser("demo", help=texts["demo"]))
 
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", help=texts["bench"])
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from .bench import add_mlp_args
 
@@ -62,33 +100,20 @@ def _parser() -> argparse.ArgumentParser:
 
     from .floor import add_floor_args
 
-    add_floor_args(sub.add_parser(
-        "floor", help="the shortest pipeline step any schedule can reach for given F/B/W times, link and memory "
-        "(CP-SAT; simulated)"))
+    add_floor_args(sub.add_parser("floor", help=texts["floor"]))
 
-    from .plan import add_plan_args
+    from .plan_command import add_plan_args
 
-    add_plan_args(sub.add_parser("plan", help="rank the strategies (TP overlap, sub-batches, pipeline schedules) for a "
-                                 "model on a machine (cost model)"))
-
-    report = sub.add_parser("report", help="summarize and draw the traces of --overlap-trace / demo --trace")
-    report.add_argument("directory")
-    report.add_argument("--timeline", default="", metavar="PNG", help="draw the timeline here (default: "
-                        "DIR/timeline.png)")
-    from ..args import add_alias
-
-    add_alias(report, "--png", "--timeline")
-
-    check = sub.add_parser("check", help="print versions and which backends are usable here")
-    check.add_argument("--json", action="store_true", help="one JSON object instead of text")
-    return parser
+    add_plan_args(sub.add_parser("plan", help=texts["plan"]))
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    from ..lab.rank_pool import no_bar_thread
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser(only=next((a for a in argv if not a.startswith("-")), None)).parse_args(argv)
+    if args.command not in PLUGIN_COMMANDS:  # the lab's rank pools fork only without tqdm's monitor thread
+        from ..lab.rank_pool import no_bar_thread
 
-    no_bar_thread()
+        no_bar_thread()
     if args.command == "run":
         from ..integration.launch import LaunchError, run_script
 
@@ -99,7 +124,7 @@ def main(argv=None) -> int:
             return 2
         return 0
     if args.command == "check":
-        from .check import main as check_main
+        from .env_report import main as check_main
 
         return check_main(args.json)
     if args.command == "floor":
@@ -107,7 +132,7 @@ def main(argv=None) -> int:
 
         return floor_main(args)
     if args.command == "plan":
-        from .plan import plan_main
+        from .plan_command import plan_main
 
         return plan_main(args)
     if args.command == "report":

@@ -16,7 +16,7 @@ entry points; without it the process group's own timeout bounds every wait. On g
 ``is_completed()`` until the deadline, then waits: a diagnostic mode that gives up the host's
 run-ahead of the GPU, which is why it is opt-in.
 
-The labels live in a context variable (per thread, like ``cp.context``'s ring), never in module
+The labels live in a context variable (per thread, like ``cp.ring_context``'s ring), never in module
 state; autograd runs a backward in another thread on a GPU, so the autograd functions keep
 :func:`current` from their forward and re-enter it with :func:`restored`.
 """
@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..trace.tracer import WAIT
+from ..trace.markers import WAIT
 
 @dataclass(frozen=True)
 class Where:

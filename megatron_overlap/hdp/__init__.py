@@ -5,11 +5,17 @@ balanced, sequences kept where they were loaded where the step allows.
 
     shard.py       which rows of a sequence a rank holds (zigzag over an ordered ring)
     cost.py        what a rank spends on them (compute + exposed ring communication)
-    plan.py        a step's plan as data (per rank, ordered micro-batches) and its invariants
+    step_plan.py   a step's plan as data (per rank, ordered micro-batches) and its invariants
     simulate.py    the step's timeline from a plan
     scheduler.py   the HDP scheduler (``schedule_hdp``)
+    ring_sizes.py  its step 1: each ring's size and ranks, every size scored at once
+    collector_pause.py   the planner with Python's cyclic garbage collector paused
+    guard.py       never slower than megatron-core's plan: ours or its, by the cost model
+    bound_tradeoff.py    our plan or one planned with cheaper linears, close to both models' bounds
+    planahead.py   step k+1 planned while step k trains
     locality.py    which plan rank is which, so sequences stay where they were loaded
     baselines.py   ``static`` CP, and megatron-core's ``BalancedCPScheduler`` output as a plan
+    balanced_cp.py megatron-core's ``BalancedCPScheduler`` re-implemented: the same groups, faster, no torch
     checks.py      model settings the runtime cannot honour (at install)
     packing.py     sequences into micro-batches of at most C rows
     samples.py     a rank's share of the full batch (``Sample``, ``as_samples``)
@@ -27,7 +33,7 @@ here. Nothing in this package imports Megatron: the runtime's model adapter and 
 """
 
 from .cost import HdpCostModel
-from .plan import Plan
+from .step_plan import Plan
 from .scheduler import MODES, check_batch, schedule_hdp
 from .shard import Shard, ranks_needed, zigzag_ranges
 from .simulate import StepTime, simulate

@@ -43,9 +43,9 @@ import math
 from typing import List, Optional, Sequence, Tuple
 
 from .cost import HdpCostModel
-from .gcpause import gc_paused
+from .collector_pause import gc_paused
 from .packing import pack_first_fit
-from .plan import Plan
+from .step_plan import Plan
 from .scheduler import check_batch
 from .shard import Shard, ranks_needed, rows_held
 

@@ -34,6 +34,12 @@ from typing import Optional, Sequence
 from ..tune.comm import transfer_ms
 from ..tune.hardware import HardwareSpec, Link, get_hardware
 from ..tune.models import ModelSpec, get_model
+from .shard import rows_held
+
+# An intra-node ring is preferred over an inter-node one that ends earlier by less than this
+# fraction of the ring's duration: the cost model hides most ring traffic behind attention, but
+# an inter-node ring also competes with the gradient all-reduce, which the model leaves out.
+NODE_SLACK = 0.02
 
 DKV_BYTES = 4  # the dK/dV running sums travel in fp32 (cp/ring.py)
 
@@ -251,3 +257,14 @@ class SquareWorkload:
 
     def peer_ms_many(self, seq_len: int, ns, intra):
         return seq_len * (seq_len + 1) / ns * self.ms_per_unit
+
+
+def local_ms(seq_len: int, cost: HdpCostModel) -> float:
+    """Busy time of a sequence held whole (no ring)."""
+    return cost.compute_ms(seq_len, seq_len * (seq_len + 1) / 2)
+
+
+def ring_ms(seq_len: int, ring: Sequence[int], cost: HdpCostModel) -> float:
+    """Busy time of each peer of ``ring`` for its zigzag shard (the same on every peer)."""
+    n = len(ring)
+    return cost.item_ms(rows_held(seq_len, n), seq_len * (seq_len + 1) / 2 / n, ring)

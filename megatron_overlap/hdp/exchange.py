@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..comm import waits
 from ..comm.agree import group_device
 from .layout import arange_ranges, doc_order
-from .plan import Plan
+from .step_plan import Plan
 from .samples import Sample
 
 

@@ -30,8 +30,8 @@ import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 from .cost import SquareWorkload
-from .gcpause import gc_paused
-from .plan import Plan
+from .collector_pause import gc_paused
+from .step_plan import Plan
 from .simulate import simulate
 
 TOLERANCE = 0.01

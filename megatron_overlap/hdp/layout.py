@@ -15,7 +15,7 @@ from typing import Sequence, Tuple
 import torch
 
 from ..cp.packed import pad_cu_seqlens, partition_index
-from .plan import Plan
+from .step_plan import Plan
 from .shard import Shard
 
 

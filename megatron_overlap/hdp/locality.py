@@ -11,7 +11,10 @@ node), then of ranks to ranks inside each node (:func:`assignment`, the Hungaria
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
+
+from .cost import local_ms
 
 
 def assignment(weight: Sequence[Sequence[float]]) -> List[int]:
@@ -97,7 +100,6 @@ def _node_weight(at_home, nodes, full) -> List[List[float]]:
 def relabel_rings(rings, gaps, clock, home, cost):
     """The scheduler's rings, gaps and clocks after step 1 with the ranks renamed by
     :func:`relabel`, so the most ring tokens stay where they were loaded."""
-    from .scheduler import _Ring
     from .shard import Shard
 
     R = len(clock)
@@ -106,7 +108,7 @@ def relabel_rings(rings, gaps, clock, home, cost):
         for pos, r in enumerate(x.ring):
             at_home[r][home[x.seq_id]] += Shard(x.seq_id, x.seq_len, x.ring, pos).tokens
     perm = relabel(at_home, cost.gpus_per_node)
-    rings = [_Ring(x.seq_id, x.seq_len, tuple(perm[r] for r in x.ring), x.start, x.end) for x in rings]
+    rings = [replace(x, ring=tuple(perm[r] for r in x.ring)) for x in rings]
     gaps = {(perm[r], k): cap for (r, k), cap in gaps.items()}
     new_clock = [0.0] * R
     for r in range(R):
@@ -122,7 +124,7 @@ def home_first(ids: Sequence[int], lens: Sequence[int], clock: List[float], home
     assignment, True) when every sequence fits by T (the step is LPT's), else (``plain``,
     False). ``ms``: per sequence id, its ``local_ms`` where the caller has them."""
     R = len(clock)
-    c = {i: _local_ms(lens[i], cost) if ms is None else ms[i] for i in ids}
+    c = {i: local_ms(lens[i], cost) if ms is None else ms[i] for i in ids}
     limit = max([clock[r] + sum(c[i] for i in plain[r]) for r in range(R)], default=0.0) * (1 + 1e-12)
     ends, out, deferred = list(clock), [[] for _ in range(R)], []
     for i in ids:
@@ -144,12 +146,6 @@ def home_first(ids: Sequence[int], lens: Sequence[int], clock: List[float], home
             out[r].append(i)
             at[r] += c[i]
     return out, True
-
-
-def _local_ms(seq_len, cost):
-    from .scheduler import local_ms
-
-    return local_ms(seq_len, cost)
 
 
 def check_home(home, count: int, ranks: int):

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
-from .plan import Plan
+from .step_plan import Plan
 from .samples import as_samples
 
 HELPER_NICE = 10
@@ -61,7 +61,7 @@ class Planner:
         if self.peer is None or self.scheduler != "hdp" or self.mode != "dp":
             return plan
         from .baselines import MegatronSchedulerError
-        from .both_models import for_both
+        from .bound_tradeoff import for_both
         from .cost import HdpCostModel
         from .guard import guarded
 

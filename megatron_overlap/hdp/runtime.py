@@ -19,13 +19,13 @@ WORLD), R = |G| ranks::
                    ring (ordered group ranks; a ring of one rank, ``(me,)``, for a micro-batch of
                    short sequences held whole) with its THD ``PackedSeqParams``.
 
-Attention. ``MicroBatch.context(model)`` enters ``cp.context.ring(G, ring, packed)``: the
+Attention. ``MicroBatch.context(model)`` enters ``cp.ring_context.ring(G, ring, packed)``: the
 patched Megatron ``DotProductAttention.forward`` (``megatron_overlap.install`` with ``--overlap-hdp``)
 then runs ``cp_attention(mode="ring")`` over that explicit rank list inside G; no process group
 is ever created per ring or per step (``integration.hdp.make_runtime`` makes G itself once: a
 communicator of HDP's own over the data-parallel ranks, so that Megatron's overlapped gradient
 reductions on the data-parallel group never queue with the rings). Activation recomputation
-re-runs a forward inside the backward in the ring its first run saw (``cp.context.keep``, put
+re-runs a forward inside the backward in the ring its first run saw (``cp.ring_context.keep``, put
 into Megatron's checkpoints by the installation). A micro-batch's rows are, per document, chunks x and
 2n-1-x of the document padded to a multiple of 2n (n = ring size, x = this rank's position;
 n = 1: the document whole, unpadded): exactly ``Shard.ranges`` plus padding, which the runtime
@@ -90,7 +90,7 @@ from ..comm.agree import group_device
 from ..errors import OverlapConfigError
 from .exchange import exchange_rows, gather_lengths
 from .layout import RowLayout, idle_layout, row_layout
-from .plan import Plan
+from .step_plan import Plan
 from .planahead import HdpDataIterator, Planner  # noqa: F401 (HdpDataIterator: the loop's view, re-exported)
 from .samples import MASK_DTYPE, as_samples
 from .scheduler import MODES
@@ -131,7 +131,7 @@ class MicroBatch:
         """Attention over this micro-batch's ring and, with ``model``, RoPE at the true positions
         (module docstring), for the forward (a recomputed forward keeps the ring it ran in)."""
         from ..comm import waits
-        from ..cp import context as ring_context
+        from ..cp import ring_context
 
         self.adapter.require_patched()
         label = f"HDP micro-batch {self.index}" + (f" (ring {list(self.ring)})" if len(self.ring) > 1 else "")

@@ -90,20 +90,17 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import OverlapConfigError
-from .cost import HdpCostModel
-from .gcpause import gc_paused
+from .cost import HdpCostModel, local_ms, ring_ms  # noqa: F401  (ring_ms: re-exported, the tests read it here)
+from .collector_pause import gc_paused
 from .locality import check_home, home_first, relabel_rings
 from .packing import pack_first_fit, pack_next_fit, split_to
-from .plan import Plan
-from .shard import Shard, ranks_needed, rows_held
+from .step_plan import Plan
+from .shard import Shard, ranks_needed
 from .simulate import options_many, sequence_options
+from .ring_sizes import spread_choice
 
 MODES = ("dp", "pp")
 CAPACITY_FIELD = "hdp.max_tokens"  # the config field errors about C name
-# An intra-node ring is preferred over an inter-node one that ends earlier by less than this
-# fraction of the ring's duration: the cost model hides most ring traffic behind attention, but
-# an inter-node ring also competes with the gradient all-reduce, which the model leaves out.
-NODE_SLACK = 0.02
 
 
 def check_batch(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, mode: Optional[str] = None
@@ -141,17 +138,6 @@ def check_batch(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, mode:
     return lens
 
 
-def local_ms(seq_len: int, cost: HdpCostModel) -> float:
-    """Busy time of a sequence held whole (no ring)."""
-    return cost.compute_ms(seq_len, seq_len * (seq_len + 1) / 2)
-
-
-def ring_ms(seq_len: int, ring: Sequence[int], cost: HdpCostModel) -> float:
-    """Busy time of each peer of ``ring`` for its zigzag shard (the same on every peer)."""
-    n = len(ring)
-    return cost.item_ms(rows_held(seq_len, n), seq_len * (seq_len + 1) / 2 / n, ring)
-
-
 @dataclass
 class _Ring:
     seq_id: int
@@ -172,7 +158,6 @@ def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequen
     rings: List[_Ring] = []
     gaps: Dict[Tuple[int, int], float] = {}
     low = {i: ranks_needed(lens[i], C) if lens[i] > C else 1 for i in ring_ids}
-    from .sizes import spread_choice
 
     cache = {} if cache is None else cache
     options = {}  # by length: the least busy time over the sizes it may take

@@ -105,9 +105,3 @@ class Shard:
         """(query, key) pairs this rank's attention computes: L (L+1) / 2 over n positions."""
         return self.seq_len * (self.seq_len + 1) / 2 / self.cp_size
 
-
-def shards_of(seq_id: int, seq_len: int, ring: Tuple[int, ...]) -> Tuple[Shard, ...]:
-    """One shard per ring position (a single whole-sequence shard when ``ring`` has < 2 ranks)."""
-    if len(ring) < 2:
-        return (Shard(seq_id, seq_len),)
-    return tuple(Shard(seq_id, seq_len, tuple(ring), x) for x in range(len(ring)))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 from .cost import HdpCostModel
-from .plan import Plan
+from .step_plan import Plan
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from ..tp.allreduce_fusion import RowAllReduceBDA
+from .linear_comm import linear_comm
 
 
 @dataclass
@@ -166,9 +167,7 @@ def row_forward(inst, row, input_, options, comm):
         raise OverlapConfigError(
             "tp.allreduce_fusion", f"the {input_.shape[0]} sequence rows here do not split over the {size} "
             "tensor-parallel ranks, which its reduce-scatter needs; drop `tp.allreduce_fusion`")
-    from .linears import _comm
-
-    plan_comm = _comm(inst, "row", group, input_, row.weight, input_.shape[0] // size, sequence_parallel=False)
+    plan_comm = linear_comm(inst, "row", group, input_, row.weight, input_.shape[0] // size, sequence_parallel=False)
     consume = _look_ahead(inst, request, input_.shape[0])
     inst.served.clear()
     inst.served_norm = None

@@ -2,7 +2,7 @@
 
 ``--overlap-cp`` / ``--overlap-hdp``: the class runs context-parallel attention when its config has
 CP > 1 (its own ``__init__`` asserts CP == 1, so it runs with CP set to 1 for the duration of
-the call), or under an HDP ring context (``cp.context``); layers with CP == 1 keep the stock
+the call), or under an HDP ring context (``cp.ring_context``); layers with CP == 1 keep the stock
 code. Without them only ``__init__`` is wrapped, and only where Megatron would assert: CP > 1
 gets an error that names ``--overlap-cp``.
 """
@@ -107,10 +107,10 @@ def _attention_forward(inst, original):
     @functools.wraps(original)
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
-        from ..cp import context
+        from ..cp import ring_context
         from ..cp.attention import cp_attention
 
-        ring = context.current()
+        ring = ring_context.current()
         if ring is None and inst.config.hdp.enabled:
             inst.notice_once(
                 "hdp-no-ring",

@@ -94,12 +94,12 @@ def patch_recompute(inst) -> None:
     """Megatron's activation checkpoints keep the HDP ring (patch table in ``install.py``): the
     function Megatron saves to run again in the backward (``CheckpointFunction``: full
     recompute and selective ``core_attn``; ``CheckpointWithoutOutput``: the other selective
-    modules) is bound to the ring in force when the checkpoint was made (``cp.context.keep``),
+    modules) is bound to the ring in force when the checkpoint was made (``cp.ring_context.keep``),
     so the recomputed attention runs over the same ranks, documents and positions as the
     forward, without reading the ambient context, which the backward no longer has."""
     from megatron.core.tensor_parallel import random as tp_random
 
-    from ..cp import context as ring_context
+    from ..cp import ring_context
 
     function = tp_random.CheckpointFunction
     forward = function.__dict__["forward"]
@@ -114,6 +114,8 @@ def patch_recompute(inst) -> None:
     def checkpoint_forward(ctx, run_function, *args):
         return forward(ctx, keep(run_function), *args)
 
+    checkpoint_forward.hdp_installation = inst  # installation() reads it back
+
     inst.set_attr(function, "forward", staticmethod(checkpoint_forward))
     without = tp_random.CheckpointWithoutOutput
     original = without.__dict__["checkpoint"]
@@ -123,6 +125,17 @@ def patch_recompute(inst) -> None:
         return original(self, keep(run_function), *args)
 
     inst.set_attr(without, "checkpoint", checkpoint)
+
+
+def installation():
+    """The installation whose HDP patches are in Megatron now (``--overlap-hdp``: the attention,
+    the checkpoints of :func:`patch_recompute`, installed and removed together), or None."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    forward = tp_random.CheckpointFunction.__dict__["forward"]
+    forward = forward.__func__ if isinstance(forward, staticmethod) else forward
+    inst = getattr(forward, "hdp_installation", None)
+    return inst if inst is not None and inst.patched else None
 
 
 def patch_groups(inst) -> None:
@@ -166,10 +179,7 @@ class MegatronModel:
         return true_positions(model, position_ids, count)
 
     def require_patched(self) -> None:
-        from .install import active_config
-
-        config = active_config()
-        if config is None or not config.hdp.enabled:
+        if installation() is None:
             raise OverlapConfigError(
                 "hdp.enabled", "the HDP runtime needs the patched attention: call megatron_overlap.install(args) with "
                 "`hdp.enabled` first (without it Megatron's attention would treat a ring shard's rows as a whole "
@@ -312,10 +322,8 @@ def make_runtime(hdp, group: Optional[dist.ProcessGroup] = None, **kwargs):
         kwargs.setdefault("row_multiple", parallel_state.get_tensor_model_parallel_world_size())
         kwargs.setdefault("mode", "pp" if parallel_state.get_pipeline_model_parallel_world_size() > 1 else "dp")
     if "timeout_s" not in kwargs:  # --overlap-timeout-s of the installation in force bounds the exchange too
-        from .install import active_config
-
-        config = active_config()
-        kwargs["timeout_s"] = config.comm.timeout_s if config is not None else None
+        inst = installation()
+        kwargs["timeout_s"] = inst.config.comm.timeout_s if inst is not None else None
     if kwargs.pop("guard", False):  # hdp.guard: never more than 1% slower than megatron-core's own plan
         from .baselines import schedule_megatron_balanced
 

@@ -240,7 +240,7 @@ class _Loop:
         if self.runtime is None:
             from .hdp import make_runtime
 
-            self.runtime = make_runtime(self.inst.config.hdp)
+            self.runtime = make_runtime(self.inst.config.hdp, timeout_s=self.inst.config.comm.timeout_s)
         return self.runtime
 
     @staticmethod

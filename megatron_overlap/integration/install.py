@@ -42,9 +42,8 @@ from ..config import ModelContext, OverlapConfig
 from ..errors import OverlapConfigError
 from ..cp.checks import check_cp_model
 from ..cp.ring import RingOptions
-from ..hdp.checks import check_hdp_model
-from ..pp.checks import check_pp_model, pp_schedule_applies
-from ..tp.checks import check_tp_model, tp_overlap_applies
+from ..pp.checks import pp_schedule_applies
+from ..tp.checks import tp_overlap_applies
 from . import compat
 
 logger = logging.getLogger("megatron_overlap")
@@ -95,7 +94,7 @@ class Installation:
         self.requested = requested or config  # as asked (re-installs with the same flags are no-ops)
         self.context = context
         self.ring_options = ring_options or RingOptions()
-        self.tp = None  # tp.plan.TPPlanner while TP overlap runs
+        self.tp = None  # tp.linear_plan.TPPlanner while TP overlap runs
         self.tp_overlap = False  # whether the linears run TP overlap
         self.keep_single_bucket = False  # Megatron-LM's --overlap-param-gather-with-optimizer-step (ddp.py)
         self.pp_observer = None  # (stage, action, start, end) after each pipeline action (benchmarks)
@@ -223,13 +222,9 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
         uninstall()  # nothing to patch, nothing to check: also no Megatron version needed
         return Installation(config, context)
     compat.check_megatron_version()
-    check_tp_model(config.tp, context)
-    check_hdp_model(config.hdp, context, config.pp)
-    check_cp_model(config.cp, context)
-    check_pp_model(config.pp, config.tp, context)
     from . import preflight
 
-    preflight.check(config, context, notice)
+    preflight.validate(config, context, notice)  # stage 1: the whole config against the model
     if full_args and config.comm.timeout_s is not None:  # on every parse: Megatron parses more than once
         _bound_megatron_groups(args_or_config, config.comm.timeout_s)
 
@@ -254,20 +249,8 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
     if not tp_on and not config.trace.enabled and not cp_on and not pp_on:
         return Installation(config, context)
 
-    from . import linears
-    from ..pp.checks import resolve_auto as resolve_pp
-
     requested = config
-    if tp_on:
-        config = config.replace(tp=linears.resolve_auto(config.tp, args_or_config if full_args else None, notice))
-    predicted = None
-    if pp_on and config.pp.mode in ("auto", "zb") and full_args:
-        from ..tune.auto import predicted_pp_choice
-
-        predicted = predicted_pp_choice(args_or_config, linears._cuda_device_name())
-        _drop_unrunnable_zbv(predicted, args_or_config)
-    config = config.replace(pp=resolve_pp(config.pp, config.tp, context, notice, predicted) if pp_on else
-                            config.pp.replace(mode="off", explicit=frozenset()))
+    config, predicted = _resolve(config, context, args_or_config if full_args else None, tp_on, pp_on)  # stage 2
     inst = Installation(config, context, requested, ring_options)
     if predicted is not None and config.pp.mode == "zb":
         inst.pp_times = predicted["placement"]
@@ -281,8 +264,29 @@ def install(args_or_config: Union[OverlapConfig, Any], ring_options: Optional[Ri
         said = checkpoint_notice(config.pp, args_or_config)
         if said:
             notice(said)
-    _apply(inst, cp_on, pp_on)
+    _apply(inst, cp_on, pp_on)  # stage 3: the patches
     return inst
+
+
+def _resolve(config: OverlapConfig, context: ModelContext, args, tp_on: bool, pp_on: bool):
+    """Stage 2 of install, after the config was validated: every ``auto`` resolved (TP's backend
+    and sub-batches, the pipeline schedule, from the cost model where ``args`` are Megatron's
+    full arguments), a pipeline mode that does not apply turned off. (config, the cost model's
+    pipeline prediction or None)."""
+    from . import linears
+    from ..pp.checks import resolve_auto as resolve_pp
+
+    if tp_on:
+        config = config.replace(tp=linears.resolve_auto(config.tp, args, notice))
+    predicted = None
+    if pp_on and config.pp.mode in ("auto", "zb") and args is not None:
+        from ..tune.auto import predicted_pp_choice
+
+        predicted = predicted_pp_choice(args, linears._cuda_device_name())
+        _drop_unrunnable_zbv(predicted, args)
+    config = config.replace(pp=resolve_pp(config.pp, config.tp, context, notice, predicted) if pp_on else
+                            config.pp.replace(mode="off", explicit=frozenset()))
+    return config, predicted
 
 
 GROUP_MARGIN_S = 5  # Megatron's own ops time out this long after the plugin's named waits

@@ -41,7 +41,7 @@ def hook_megatron_training() -> Callable:
             f"({exc}). Run a script from a Megatron-LM checkout (its directory is put on "
             "sys.path, as `python pretrain_gpt.py` would), or set PYTHONPATH to the checkout."
         ) from exc
-    import megatron_overlap
+    from .install import install
 
     original = arguments.parse_args
     if getattr(original, "__megatron_overlap__", False):
@@ -49,7 +49,7 @@ def hook_megatron_training() -> Callable:
 
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         args = original(_chain(extra_args_provider), ignore_unknown_args)
-        megatron_overlap.install(args)
+        install(args)
         return args
 
     parse_args.__megatron_overlap__ = True

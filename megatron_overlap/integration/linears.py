@@ -12,12 +12,11 @@ from __future__ import annotations
 import functools
 
 from ..comm import waits
-from ..config import ModelContext
-from ..tp.checks import check_tp_model
-from ..tp.linear import ColumnParallelSP, DeferredWgradLinear, RowParallelSP, TPComm, WgradOptions
+from ..tp.linear import ColumnParallelSP, DeferredWgradLinear, RowParallelSP, WgradOptions
 from ..tp.linear_ar import ColumnParallelAR, RowParallelAR, ServedColumn
-from ..tp.plan import AR_KINDS, TPPlanner, tokens_per_row
+from ..tp.linear_plan import TPPlanner
 from . import compat, sites
+from .linear_comm import linear_comm
 
 _LINEAR_FN = "linear_with_grad_accumulation_and_async_allreduce"
 
@@ -47,7 +46,8 @@ def resolve_auto(tp, args, notice):
     (``p2p``, or ``symm-mem`` where it runs). Sub-batches ``auto`` adds each candidate cut into 2
     and 3 (with a concrete mode, only the count is chosen); without the cost model's answer the
     blocks run whole (1), said in a notice: the cut changes the weight gradients' last bits."""
-    from ..tp.plan import EXPLICIT_SHAPE, resolve_backend
+    from ..tp.backends import resolve_backend
+    from ..tp.linear_plan import EXPLICIT_SHAPE
     from ..tune.auto import predicted_choice
 
     sub = tp.sub_batches
@@ -134,29 +134,6 @@ def patch(inst) -> None:
     inst.notice_once("tp-on", f"TP overlap on ({inst.tp.backend.name}): {' '.join(inst.config.as_flags())}")
 
 
-def _comm(inst, kind: str, group, x, weight, shard_rows: int, sub=None, sequence_parallel=None) -> TPComm:
-    """The TP plan and backend of one linear; the first time a shape, dtype and device are
-    seen, the model settings and the backend are checked (a programmatic install learns them
-    only now). The all-reduce kinds (``column_ar``, ``row_ar``: no sequence parallelism) pass
-    the whole sequence's rows as ``shard_rows``."""
-    size = group.size()
-    sp = kind not in AR_KINDS if sequence_parallel is None else sequence_parallel  # the fusion: RS plan, no SP
-    key = (id(group), size, shard_rows, tokens_per_row(x), x.dtype, x.device, sp)
-    if key not in inst.checked:
-        if not sp and inst.wgrad is not None:
-            # the all-reduce path: a layer's last dgrad all-reduce (QKV's) has only its own GEMMs and
-            # the held weight gradients to hide behind, so up to one layer's may wait (3 linears per
-            # sub-batch and QKV's), each keeping its two inputs until it runs (measured, BENCHMARKS.md)
-            parts = inst.config.tp.sub_batches if isinstance(inst.config.tp.sub_batches, int) else 1
-            inst.wgrad.limit = max(inst.wgrad.limit, 3 * parts + 1)
-        inst.tp.backend.check(x)
-        check_tp_model(inst.config.tp, ModelContext(tp_size=size, sequence_parallel=sp,
-                                                    seq_length=shard_rows * size if kind not in AR_KINDS else shard_rows))
-        inst.checked.add(key)
-    return TPComm(group, inst.tp.plan(kind, x, weight, group, shard_rows), inst.tp.backend, inst.prefetch, inst.wgrad,
-                  sub)
-
-
 def _column_linear(inst, original):
     signature = compat.linear_signature(original)
 
@@ -185,7 +162,7 @@ def _column_linear(inst, original):
         inst.calls["tp.column"] += 1
         sub = inst.sub_batch
         part = (sub, sub.index) if sub is not None and sub.parts and x is sub.parts[sub.index] else None
-        comm = _comm(inst, "column", group, x, call.weight, x.shape[0], part)
+        comm = linear_comm(inst, "column", group, x, call.weight, x.shape[0], part)
         with waits.at(sites.label_for_weight(inst, call.weight, "column") + " forward",
                       timeout_s=inst.config.comm.timeout_s):
             return ColumnParallelSP.apply(x, call.weight, call.bias, wgrad, comm)
@@ -200,7 +177,7 @@ def _column_ar(inst, call, group):
     wgrad = WgradOptions(call.gradient_accumulation_fusion, call.grad_output_buffer, call.wgrad_deferral_limit)
     sub = inst.sub_batch
     part = (sub, sub.index) if sub is not None and sub.parts and x is sub.parts[sub.index] else None
-    comm = _comm(inst, "column_ar", group, x, call.weight, x.shape[0], part)
+    comm = linear_comm(inst, "column_ar", group, x, call.weight, x.shape[0], part)
     inst.calls["tp.column_ar"] += 1
     with waits.at(sites.label_for_weight(inst, call.weight, "column") + " forward",
                   timeout_s=inst.config.comm.timeout_s):
@@ -231,7 +208,7 @@ def _row_forward(inst, original):
         rows = input_.shape[0] // group.size() if sp else input_.shape[0]
         sub = inst.sub_batch
         part = (sub, sub.index) if sub is not None and self is sub.row and self.skip_bias_add else None
-        comm = _comm(inst, "row" if sp else "row_ar", group, input_, self.weight, rows, part)
+        comm = linear_comm(inst, "row" if sp else "row_ar", group, input_, self.weight, rows, part)
         inst.calls["tp.row" if sp else "tp.row_ar"] += 1
         with waits.at(sites.label_for_weight(inst, self.weight, "row", self) + " forward",
                       timeout_s=inst.config.comm.timeout_s):

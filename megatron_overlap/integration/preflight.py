@@ -1,13 +1,29 @@
-"""What install checks beyond the areas' model checks, before it patches anything: the model's
-shape against Megatron's own divisibility rules, the places the plugin will write (trace
-directory, autotune cache), the trace's iterations against the run's length, and the timeout of
-the plugin's waits against the process group's. Every refusal names its flag or variable
-(``rules``); nothing here creates a file."""
+"""Stage 1 of install (:func:`validate`): the whole config against the model context, before
+anything is resolved or patched. Each area's model checks (``tp``, ``hdp``, ``cp``, ``pp``: their
+``checks.py``), then what no area owns (:func:`check`): the model's shape against Megatron's own
+divisibility rules, the places the plugin will write (trace directory, autotune cache), the
+trace's iterations against the run's length, and the timeout of the plugin's waits against the
+process group's. Every refusal names its flag or variable (``rules``); nothing here creates a
+file. Stage 2 resolves ``auto`` (``install._resolve``), stage 3 patches."""
 
 from __future__ import annotations
 
 from .. import rules
+from ..cp.checks import check_cp_model
 from ..errors import OverlapConfigError
+from ..hdp.checks import check_hdp_model
+from ..pp.checks import check_pp_model
+from ..tp.checks import check_tp_model
+
+
+def validate(config, ctx, notice) -> None:
+    """Every check of ``config`` against ``ctx``, in one place and order (the first refusal is
+    the one reported): TP's, HDP's, CP's and the pipeline's model checks, then :func:`check`."""
+    check_tp_model(config.tp, ctx)
+    check_hdp_model(config.hdp, ctx, config.pp)
+    check_cp_model(config.cp, ctx)
+    check_pp_model(config.pp, config.tp, ctx)
+    check(config, ctx, notice)
 
 
 def check(config, ctx, notice) -> None:

@@ -9,9 +9,8 @@ schedule asked for with Megatron's own ``forward_step`` / ``backward_step``, so 
 ``forward_step_func`` contract, loss scaling, ``forward_only``, ``collect_non_loss_data``,
 ``first_val_step``, ``deallocate_pipeline_outputs`` and the ``no_sync_func`` /
 ``grad_sync_func`` / ``finalize_model_grads_func`` hooks behave as in stock Megatron. Only the
-order of the compute and where each transfer is posted and waited differ; every transfer goes
-through ``batch_isend_irecv`` on the pipeline group, both ends posting the same transfers in
-the same order, every wait bounded by the group's timeout.
+order of the compute and where each transfer is posted and waited differ; the transfers, their
+waits and errors are the executors' core (``pp_executor.py``), the virtual executor's too.
 
 Shapes. Every micro-batch's activation has Megatron's ``get_tensor_shapes`` shape, the same for
 all of them; under ``--overlap-hdp`` with a pipeline (``hdp_loop.py``) micro-batch k has its own token
@@ -37,16 +36,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import time
+
 import torch
 import torch.distributed as dist
 
 from ..comm import tags, waits
-from ..errors import OverlapConfigError, render
+from ..errors import OverlapConfigError
 from ..pp import build
-from ..pp.schedule import ACT, B, F, POST, RECV, SEND, WAIT, W
-from .pp_megatron import GradSync, default_collection, dispatch_param_gather, refuse_unsupported, single, timed_out
+from ..pp.schedule import B, F, POST, WAIT, W
+from .pp_executor import StageRun, inflight_for, make_forward_backward
+from .pp_megatron import GradSync, dispatch_param_gather
+from .vschedules import make_interleaved_executor
 
 _NAME = "get_forward_backward_func"
 
@@ -62,8 +63,6 @@ def patch(inst) -> None:
     original = schedules.__dict__[_NAME]
     stock = schedules.forward_backward_pipelining_without_interleaving
     executor = make_executor(inst)
-    from .vschedules import make_interleaved_executor
-
     interleaved = make_interleaved_executor(inst)
 
     @functools.wraps(original)
@@ -89,69 +88,17 @@ def patch(inst) -> None:
 def make_executor(inst):
     """A drop-in for ``forward_backward_pipelining_without_interleaving`` running ``inst``'s
     schedule."""
-    from megatron.core.pipeline_parallel import schedules
-
-    signature = set(inspect.signature(schedules.backward_step).parameters)
-    with_model_type = "model_type" in signature
-
-    def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
-                         micro_batch_size, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
-                         first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
-                         force_all_reduce=False, **unknown):
-        if unknown:
-            raise OverlapConfigError("pp.mode", f"runs a schedule that does not take {sorted(unknown)} (a newer "
-                                     "megatron-core?): use `pp.mode` megatron")
-        inst.calls[f"pp.{inst.config.pp.mode}"] += 1
-        run = _Run(inst, schedules, with_model_type, forward_step_func, data_iterator, model, num_microbatches,
-                   forward_only, collect_non_loss_data, first_val_step, p2p_communicator, pg_collection)
-        run.shapes(seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn, inst.microbatch_rows)
-        with waits.at(timeout_s=inst.config.comm.timeout_s):  # --overlap-timeout-s: every wait below
-            return run.execute(force_all_reduce)
-
-    forward_backward.megatron_overlap_schedule = True
-    return forward_backward
+    return make_forward_backward(inst, _Run, f"pp.{inst.config.pp.mode}")
 
 
-class _Run:
-    """One call of the schedule: Megatron's state around it and the transfers in flight."""
+class _Run(StageRun):
+    """One call of the schedule (``pp_executor.StageRun``), its micro-batches' shapes where
+    they vary, its weight-gradient drain."""
 
-    def __init__(self, inst, schedules, with_model_type, forward_step_func, data_iterator, model, m, forward_only,
-                 collect_non_loss_data, first_val_step, p2p_communicator, pg_collection):
-        from megatron.core import parallel_state
-        from megatron.core.utils import get_model_config, get_model_type
-
-        model = single(model, "model")
-        self.inst, self.schedules, self.with_model_type = inst, schedules, with_model_type
-        self.forward_step_func, self.data_iterator = forward_step_func, single(data_iterator, "data_iterator")
-        self.model, self.m, self.forward_only = model, m, forward_only
-        self.collect_non_loss_data, self.first_val_step = collect_non_loss_data, first_val_step
-        self.config = config = get_model_config(model)
-        self.model_type = get_model_type(model)
-        refuse_unsupported(config, rows_known=inst.microbatch_rows is not None)
-        if pg_collection is not None and not hasattr(pg_collection, "tp"):
-            raise OverlapConfigError("pp.mode", "runs single-module pipelines; a multi-module process-group "
-                                     "collection needs Megatron's own schedule (`pp.mode` megatron)")
-        if p2p_communicator is not None:
-            self.pp_group = p2p_communicator.pp_group
-        elif pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
-            self.pp_group = pg_collection.pp
-        else:
-            self.pp_group = parallel_state.get_pipeline_model_parallel_group()
-        if pg_collection is None:
-            self.tp_group = parallel_state.get_tensor_model_parallel_group()
-            self.cp_group = parallel_state.get_context_parallel_group()
-        else:
-            self.tp_group, self.cp_group = pg_collection.tp, pg_collection.cp
-        self.pg_collection = pg_collection
-        self.stage, self.p = self.pp_group.rank(), self.pp_group.size()
-        self.first, self.last = self.stage == 0, self.stage == self.p - 1
-        self.device = next(model.parameters()).device
-        self.works, self.buffers = {}, {}
-        self.inputs, self.outputs, self.out_grads, self.in_grads = {}, {}, {}, {}
-
-    def shapes(self, seq_length, micro_batch_size, decoder_seq_length, adjust, rows=None):
-        """The shape of each transfer; ``rows``: each micro-batch's token rows where they vary
-        (module docstring), else None."""
+    def shapes(self, seq_length, micro_batch_size, decoder_seq_length, adjust):
+        """The shape of each transfer; each micro-batch's own where the HDP loop gave its token
+        rows (``Installation.microbatch_rows``, module docstring)."""
+        rows = self.inst.microbatch_rows
         kw = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
                   config=self.config, tp_group=self.tp_group, cp_group=self.cp_group)
         recv = send = self.schedules.get_tensor_shapes(**kw)
@@ -161,7 +108,6 @@ class _Run:
             raise OverlapConfigError("pp.mode", f"sends one tensor between stages; this model sends {len(send)} "
                                      "(encoder-decoder or adjusted shapes): use `pp.mode` megatron")
         self.recv_shape, self.send_shape = tuple(recv[0]), tuple(send[0])
-        self.rows, self.mb_shapes = None, None
         if rows is not None:
             if adjust is not None or len(rows) != self.m:
                 raise RuntimeError(f"megatron-overlap pipeline stage {self.stage}: {len(rows)} micro-batch lengths "
@@ -171,7 +117,7 @@ class _Run:
             self.mb_shapes = [tuple(self.schedules.get_tensor_shapes(**dict(kw, seq_length=r))[0]) for r in self.rows]
             seq_length, micro_batch_size = max(self.rows), 1
         pp = self.inst.config.pp
-        inflight = _inflight(pp, self.p, self.m, self.config, seq_length, micro_batch_size)
+        inflight = inflight_for(pp, self.p, self.m, self.config, seq_length, micro_batch_size)
         self.schedule = _schedule(pp.mode, self.p, self.m, inflight, self.forward_only, self.inst.pp_times)
         self.store = self.inst.wgrad if self.schedule.split else None
         self.drain, self.last_b, self.trailing_w = _drain_plan(self.schedule, self.stage)
@@ -210,24 +156,10 @@ class _Run:
                 config.grad_sync_func(self.model.parameters())
         if config.finalize_model_grads_func is not None and not self.forward_only:
             schedules.finish_embedding_wgrad_compute(config, embedding, self.last, self.tp_group)
-            try:
-                config.finalize_model_grads_func(
-                    [self.model], self.total_tokens if config.calculate_per_token_loss else None,
-                    pg_collection=self.pg_collection or default_collection(self), force_all_reduce=force_all_reduce)
-            except RuntimeError as exc:
-                if not timed_out(exc):
-                    raise
-                raise RuntimeError(
-                    f"megatron-overlap pipeline stage {self.stage}: the data-parallel gradient sync after the "
-                    f"schedule did not complete (a data-parallel peer is silent or failed); the group's timeout "
-                    f"bounds the wait: {exc}") from exc
+            self._finalize([self.model], force_all_reduce)
         if config.timers is not None:
             config.timers("forward-backward").stop()
         return self.data
-
-    def _run(self, action):
-        with waits.at(f"pipeline stage {self.stage} {action}"):  # what the waits inside it belong to
-            self._act(action)
 
     def _act(self, action):
         if action.op == POST:
@@ -275,31 +207,7 @@ class _Run:
             grad = self.schedules.backward_step(*args, self.config)
         self.in_grads[mb] = grad[0] if isinstance(grad, list) else grad
 
-    # -- transfers -----------------------------------------------------------------------------
-    def _post(self, comms):
-        ops = []
-        for c in comms:
-            peer = dist.get_global_rank(self.pp_group, c.peer)
-            tag = tags.tag("pp.stage", 0)
-            if c.op == SEND:
-                tensor = (self.outputs[c.mb][0] if c.kind == ACT else self.in_grads.pop(c.mb))
-                if self.mb_shapes is not None and tuple(tensor.shape) != self.mb_shapes[c.mb]:
-                    raise RuntimeError(
-                        f"megatron-overlap pipeline stage {self.stage}: {c} is a tensor of shape "
-                        f"{tuple(tensor.shape)}; micro-batch {c.mb}'s {self.rows[c.mb]} rows give "
-                        f"{self.mb_shapes[c.mb]}, which the peer stage receives")
-                self.buffers[c] = tensor
-                ops.append(dist.P2POp(dist.isend, tensor, peer, self.pp_group, tag))
-            else:
-                shape = (self.mb_shapes[c.mb] if self.mb_shapes is not None else
-                         self.recv_shape if c.kind == ACT else self.send_shape)
-                buf = torch.empty(shape, dtype=self.config.pipeline_dtype, device=self.device, requires_grad=True)
-                self.buffers[c] = buf
-                ops.append(dist.P2POp(dist.irecv, buf, peer, self.pp_group, tag))
-        works = dist.batch_isend_irecv(ops)
-        for i, c in enumerate(comms):
-            self.works[c] = [works[i]] if len(works) == len(comms) else list(works)
-
+    # -- transfers (posting and waiting: pp_executor.StageRun) ----------------------------------
     def _agree_rows(self):
         """Every stage runs the step's micro-batches with the rows the previous stage has (module
         docstring): each sends its list to the next stage, which compares it with its own."""
@@ -322,24 +230,6 @@ class _Run:
                 f"here and {theirs.tolist()} on stage {self.stage - 1}; the stages of a pipeline must plan the same "
                 "step (the same documents in the same order)")
 
-    def _wait(self, c):
-        for work in self.works.pop(c):
-            try:
-                waits.wait(work, str(c), self.pp_group, c.peer)
-            except RuntimeError as exc:
-                raise RuntimeError(
-                    f"megatron-overlap pipeline stage {self.stage}: {c} did not complete "
-                    f"({'the peer stage is silent or failed: ' if timed_out(exc) else ''}{exc}); "
-                    + render("the pipeline group's timeout (or `comm.timeout_s`) bounds every wait")) from exc
-        buf = self.buffers.pop(c)
-        if c.op == RECV and c.kind == ACT:
-            self.inputs[c.mb] = buf
-        elif c.op == RECV:
-            self.out_grads[c.mb] = buf
-        elif c.kind == ACT:
-            output = self.outputs[c.mb] if not self.forward_only else self.outputs.pop(c.mb)
-            self.schedules.deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
-
 
 def _drain_plan(schedule, stage: int) -> tuple:
     """(how the stage drains, its last B's micro-batch, the micro-batches of the W actions
@@ -357,18 +247,3 @@ def _schedule(mode, p, m, inflight, forward_only, times=None):
     """The schedule the executor runs: ``times``, the (F, B, W) a split schedule places its
     weight gradients for (``Installation.pp_times``; None: all equal)."""
     return build(mode, p, m, inflight, forward_only=forward_only, times=times or (1.0, 1.0, 1.0))
-
-
-def _inflight(pp, p, m, config, seq_length, micro_batch_size) -> int:
-    """Micro-batches in flight on stage 0: the flag (checked against the micro-batches of this
-    call), or what the memory budget allows, or the PP size."""
-    from ..pp import check_inflight
-    from ..pp.memory import inflight_for_budget, stage_activation_bytes
-
-    if pp.max_inflight:
-        check_inflight(p, m, pp.max_inflight)
-        return pp.max_inflight
-    if pp.memory_budget_gb:
-        per = stage_activation_bytes(config, seq_length, micro_batch_size, p)
-        return inflight_for_budget(pp.memory_budget_gb, p, m, per)
-    return p

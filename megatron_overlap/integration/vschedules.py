@@ -24,8 +24,9 @@ and ``backward_step``. Around them it does what Megatron's interleaved schedule 
 - the embedding's activation buffer and weight gradient, ``finalize_model_grads_func`` over
   the list of chunks, the token count, forward-only (the syncs disabled, as stock).
 
-The transfers are ``schedules._Run``'s (every stage posting its transfers in one order shared
-by both ends; every wait bounded by the group's timeout), keyed by (chunk, micro-batch).
+The transfers, their waits and errors are the executors' core (``pp_executor.py``: every stage
+posting its transfers in one order shared by both ends, every wait bounded), keyed by (chunk,
+micro-batch).
 """
 
 from __future__ import annotations
@@ -37,40 +38,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..comm import tags, waits
 from ..errors import OverlapConfigError
 from ..pp import build
-from ..pp.schedule import ACT, B, F, POST, RECV, SEND, WAIT, W
-from .pp_megatron import timed_out
-from .schedules import _inflight, _Run
+from ..pp.schedule import B, F, POST, WAIT, W
+from .pp_executor import StageRun, inflight_for, make_forward_backward
 
 
 def make_interleaved_executor(inst):
-    from megatron.core.pipeline_parallel import schedules
-
-    import inspect
-
-    with_model_type = "model_type" in set(inspect.signature(schedules.backward_step).parameters)
-
-    def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches, seq_length,
-                         micro_batch_size, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
-                         first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
-                         force_all_reduce=False, **unknown):
-        if unknown:
-            raise OverlapConfigError("pp.mode", f"runs a schedule that does not take {sorted(unknown)} (a newer "
-                                     "megatron-core?): use `pp.mode` megatron")
-        if not isinstance(model, list) or not isinstance(data_iterator, list) or len(model) != len(data_iterator):
-            raise OverlapConfigError("pp.mode", "runs virtual pipelines over Megatron's list of model chunks, one data "
-                                     "iterator per chunk (as Megatron's interleaved schedule asserts)")
-        inst.calls[f"pp.{inst.config.pp.mode}.interleaved"] += 1
-        run = _VRun(inst, schedules, with_model_type, forward_step_func, data_iterator, model, num_microbatches,
-                    forward_only, collect_non_loss_data, first_val_step, p2p_communicator, pg_collection)
-        run.shapes(seq_length, micro_batch_size, decoder_seq_length, adjust_tensor_shapes_fn)
-        with waits.at(timeout_s=inst.config.comm.timeout_s):
-            return run.execute(force_all_reduce)
-
-    forward_backward.megatron_overlap_schedule = True
-    return forward_backward
+    """A drop-in for ``forward_backward_pipelining_with_interleaving`` running ``inst``'s schedule
+    over the model chunks."""
+    return make_forward_backward(inst, _VRun, f"pp.{inst.config.pp.mode}.interleaved")
 
 
 def _gather_params(func, chunk) -> None:
@@ -120,14 +97,26 @@ def _streaming_groups(func, per_chunk_no_sync: bool):
     return groups if len(groups) > 1 else None
 
 
-class _VRun(_Run):
-    """One call over ``v`` model chunks (``schedules._Run`` keyed by (chunk, micro-batch))."""
+class _VRun(StageRun):
+    """One call over ``v`` model chunks (``pp_executor.StageRun`` keyed by (chunk, micro-batch))."""
 
     def __init__(self, inst, schedules, with_model_type, forward_step_func, data_iterator, model, m, forward_only,
                  collect_non_loss_data, first_val_step, p2p_communicator, pg_collection):
         super().__init__(inst, schedules, with_model_type, forward_step_func, data_iterator[0], model[0], m,
                          forward_only, collect_non_loss_data, first_val_step, p2p_communicator, pg_collection)
         self.models, self.iterators, self.v = list(model), list(data_iterator), len(model)
+
+    @staticmethod
+    def check_call(model, data_iterator) -> None:
+        if not isinstance(model, list) or not isinstance(data_iterator, list) or len(model) != len(data_iterator):
+            raise OverlapConfigError("pp.mode", "runs virtual pipelines over Megatron's list of model chunks, one data "
+                                     "iterator per chunk (as Megatron's interleaved schedule asserts)")
+
+    def key(self, comm):
+        return comm.chunk, comm.mb
+
+    def describe(self, comm) -> str:
+        return f"{comm} (model chunk {comm.chunk}, stage {comm.peer}'s chunk {comm.peer_chunk})"
 
     def shapes(self, seq_length, micro_batch_size, decoder_seq_length, adjust):
         if adjust is not None:
@@ -143,7 +132,7 @@ class _VRun(_Run):
             raise OverlapConfigError("pp.mode", f"sends one tensor between stages; this model sends {len(shapes)}")
         self.recv_shape = self.send_shape = tuple(shapes[0])
         pp = self.inst.config.pp
-        inflight = _inflight(pp, self.p, self.m, self.config, seq_length, micro_batch_size)
+        inflight = inflight_for(pp, self.p, self.m, self.config, seq_length, micro_batch_size)
         group = self.config.microbatch_group_size_per_vp_stage or self.p
         self.schedule = _vschedule(pp.mode, self.p, self.m, self.v, group, inflight, self.forward_only,
                                    self.inst.pp_times)
@@ -191,7 +180,7 @@ class _VRun(_Run):
                         config.grad_sync_func[c](self.models[c].parameters())
         if config.finalize_model_grads_func is not None and not self.forward_only:
             schedules.finish_embedding_wgrad_compute(config, embedding, self.last, self.tp_group)
-            self._finalize(force_all_reduce)
+            self._finalize(self.models, force_all_reduce)
         if config.timers is not None:
             config.timers("forward-backward").stop()
         return self.data
@@ -245,24 +234,13 @@ class _VRun(_Run):
                 sync.synced.add(action.chunk)
                 sync.disable()
 
-    def _finalize(self, force_all_reduce):
-        from .pp_megatron import default_collection
-
-        config = self.config
-        if config.calculate_per_token_loss and self.loss_stage != self.p - 1:
+    def _finalize(self, models, force_all_reduce):
+        if self.config.calculate_per_token_loss and self.loss_stage != self.p - 1:
             # Megatron's finalize_model_grads broadcasts the token count from the last stage,
             # where the loss is in its placement; ZB-V's loss (and so its count) is on stage 0,
             # the other stages counted 0: their sum is stage 0's count, on every stage.
             dist.all_reduce(self.total_tokens, group=self.pp_group)
-        try:
-            config.finalize_model_grads_func(
-                self.models, self.total_tokens if config.calculate_per_token_loss else None,
-                pg_collection=self.pg_collection or default_collection(self), force_all_reduce=force_all_reduce)
-        except RuntimeError as exc:
-            if not timed_out(exc):
-                raise
-            raise RuntimeError(f"megatron-overlap pipeline stage {self.stage}: the data-parallel gradient sync after "
-                               f"the schedule did not complete (a data-parallel peer is silent or failed): {exc}") from exc
+        super()._finalize(models, force_all_reduce)
 
     def _act(self, action):
         if action.op == POST:
@@ -310,45 +288,6 @@ class _VRun(_Run):
             self.out_grads[(self.handed_from[c], mb)] = grad
         else:
             self.in_grads[key] = grad
-
-    def _post(self, comms):
-        ops = []
-        for c in comms:
-            peer = dist.get_global_rank(self.pp_group, c.peer)
-            tag = tags.tag("pp.stage", 0)
-            key = (c.chunk, c.mb)
-            if c.op == SEND:
-                tensor = self.outputs[key][0] if c.kind == ACT else self.in_grads.pop(key)
-                self.buffers[c] = tensor
-                ops.append(dist.P2POp(dist.isend, tensor, peer, self.pp_group, tag))
-            else:
-                buf = torch.empty(self.recv_shape, dtype=self.config.pipeline_dtype, device=self.device,
-                                  requires_grad=True)
-                self.buffers[c] = buf
-                ops.append(dist.P2POp(dist.irecv, buf, peer, self.pp_group, tag))
-        works = dist.batch_isend_irecv(ops)
-        for i, c in enumerate(comms):
-            self.works[c] = [works[i]] if len(works) == len(comms) else list(works)
-
-    def _wait(self, c):
-        for work in self.works.pop(c):
-            try:
-                waits.wait(work, str(c), self.pp_group, c.peer)
-            except RuntimeError as exc:
-                raise RuntimeError(
-                    f"megatron-overlap pipeline stage {self.stage}: {c} (model chunk {c.chunk}, stage {c.peer}'s "
-                    f"chunk {c.peer_chunk}) did not complete ("
-                    f"{'the peer stage is silent or failed: ' if timed_out(exc) else ''}{exc}); the pipeline "
-                    "group's timeout bounds every wait") from exc
-        buf = self.buffers.pop(c)
-        key = (c.chunk, c.mb)
-        if c.op == RECV and c.kind == ACT:
-            self.inputs[key] = buf
-        elif c.op == RECV:
-            self.out_grads[key] = buf
-        elif c.kind == ACT:
-            output = self.outputs[key] if not self.forward_only else self.outputs.pop(key)
-            self.schedules.deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
 
 
 class _ChunkSync:

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..hdp.gcpause import collector_paused
+from ..hdp.collector_pause import collector_paused
 
 MODES = ("stock", "1f1b", "zb")
 ALL_MODES = MODES + ("1f1b-inflight", "zbv", "1f1b-ec", "zb-ec", "zbv-ec")  # K = 2p - 1; ZB-V; every-chunk: by name
@@ -101,7 +101,7 @@ def placement(cfg: ClusterConfig, costs) -> tuple:
     """The (F, B, W) zb places its weight gradients for, as the install computes it on the
     modelled GPU (``pp.build.placement_times`` on the cost model's times and DP sync)."""
     from ..pp.build import placement_times
-    from ..pp.simulate import LinkCost
+    from ..pp.schedule_sim import LinkCost
 
     return placement_times(costs.times, cfg.microbatches, LinkCost(transfer_ms=costs.transfer_ms), costs.dp_ours())
 

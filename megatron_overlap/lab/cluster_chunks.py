@@ -11,7 +11,7 @@ there (``overlap_p2p_comm`` on, ``batch_p2p_comm`` off).
 What a chunk computes: each block of the stage with ``1 / v`` of its F, B and W and ``1 / v`` of
 its parameter elements, so a stage's work and its data-parallel bytes are those of the
 non-interleaved run, and each chunk holds ``1 / v`` of a micro-batch's activations: the
-simulator's assumption for virtual pipelines (``tune/virtual.py``, ``pp/simulate.py``). Which
+simulator's assumption for virtual pipelines (``tune/virtual.py``, ``pp/schedule_sim.py``). Which
 chunk starts the model (the embedding's lookup) and which ends it (the loss) follows the
 mode's placement: Megatron's interleaved one (chunk c of stage s is virtual stage c p + s) for
 stock, ``1f1b`` and ``zb``; the V for ``zbv`` (stage s holds virtual stages s and 2p - 1 - s,

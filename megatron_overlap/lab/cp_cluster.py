@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..hdp.gcpause import collector_paused
+from ..hdp.collector_pause import collector_paused
 
 REPLAY = "replay"
 

@@ -49,7 +49,7 @@ def fitted_hardware(cfg, cal: Calibration):
     """The ``cpu-emulated`` spec of this run: GEMMs at the measured rate, element-wise work at the
     rate that makes the modelled stock step (free link) take the measured compute."""
     from ..tune.hardware import cpu_emulated_spec
-    from ..tune.simulate import simulate
+    from ..tune.strategy_sim import simulate
     from ..tune.strategies import Strategy
 
     model, run = _model_and_run(cfg)
@@ -68,10 +68,10 @@ def fitted_hardware(cfg, cal: Calibration):
 
 def pick(cfg, cal: Calibration) -> dict:
     """``{"sub_batches": N or None (stock), "predicted_ms": {label: ms}, "why": text}``."""
-    from ..tune.planner import make_plan
+    from ..tune.strategy_ranking import make_plan
     from ..tune.strategies import Strategy
 
-    from ..tune.planner import UnbuildableError
+    from ..tune.strategy_ranking import UnbuildableError
 
     shape = dict(chunks=cfg.chunks // cfg.tp, rs=cfg.rs)
     allowed = [Strategy("megatron")] + [Strategy("p2p", sub_batches=n, **shape) for n in SUB_BATCH_CANDIDATES]

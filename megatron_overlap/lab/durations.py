@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import List
 
-from ..pp.simulate import StageTimes
+from ..pp.schedule_sim import StageTimes
 from ..pp.work import BlockWork
 
 VERSION = 1

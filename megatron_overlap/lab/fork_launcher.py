@@ -176,9 +176,11 @@ def _rank_main(rank: int, ranks: int, port: int, argv: List[str], logs: str, req
         os.dup2(devnull, 0)
         if request.get("cli"):
             os.chdir(request["cwd"])
-            from megatron_overlap.cli.main import main
+            import runpy
 
-            code = main(argv)
+            sys.argv = ["megatron-overlap", *argv]  # the command's own entry point (the lab imports no cli)
+            runpy.run_module("megatron_overlap", run_name="__main__", alter_sys=True)
+            code = 0
         else:
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
                               LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",

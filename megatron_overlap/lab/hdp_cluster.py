@@ -40,7 +40,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..hdp.gcpause import collector_paused
+from ..hdp.collector_pause import collector_paused
 
 SCHEDULERS = ("hdp", "static", "megatron_balanced")
 VARIANTS = ("link", "free")
@@ -188,10 +188,10 @@ class HDPClusterRanks:
         self.clock.resume_at(t.item())
 
     def _attend(self, q, k, v):
-        from ..cp import context
+        from ..cp import ring_context
         from ..cp.attention import cp_attention
 
-        ring = context.current()
+        ring = ring_context.current()
         return cp_attention(q, k, v, mode="ring", causal=True, group=ring.group, ranks=ring.ranks, packed=ring.packed)
 
     def _run(self, mbs, phases) -> dict:
@@ -227,14 +227,14 @@ class HDPClusterRanks:
         (``CountedPackedSpec`` and ``CountedPackedLayout`` keep them): the host of the first timed
         run would otherwise spend its budget on them, and fall behind its device, where the runs
         after it would not."""
-        from ..cp import attention, context
+        from ..cp import attention, ring_context
         from .emulated_attention import CountedPackedLayout, clear_counts
 
         clear_counts()  # the last step's
         with self.blocks.installed(packed=True):
             for _phase, mb in mbs:
                 with mb.context():
-                    ring = context.current()
+                    ring = ring_context.current()
                     if ring is None or ring.packed is None:
                         continue
                     n = len(ring.ranks)

@@ -7,7 +7,7 @@ import time
 
 from torch.profiler import record_function
 
-from ..trace.tracer import WAIT
+from ..trace.markers import WAIT
 
 
 class _EmuWork:

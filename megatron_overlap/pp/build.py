@@ -91,10 +91,10 @@ PLACEMENTS = ((1.0, 1.0, 1.0), (1.0, 1.0, 0.5))
 
 def placement_times(stage_times, microbatches: int, link=None, dp=(), inflight: int = 0) -> tuple:
     """The (F, B, W) to build ``zb``'s W placement with, for stages that take ``stage_times``
-    on ``link`` with data-parallel sync ``dp`` (``pp/simulate.py``): of the stages' own ratio
+    on ``link`` with data-parallel sync ``dp`` (``pp/schedule_sim.py``): of the stages' own ratio
     (their means) and ``PLACEMENTS``, the one whose schedule simulates fastest (ties: the
     earliest listed, the stages' own first)."""
-    from .simulate import LinkCost, simulate
+    from .schedule_sim import LinkCost, simulate
 
     p = len(stage_times)
     own = (sum(t.f for t in stage_times) / p, sum(t.b for t in stage_times) / p, sum(t.w for t in stage_times) / p)

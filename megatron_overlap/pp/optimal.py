@@ -1,7 +1,7 @@
 """The shortest step any pipeline schedule can reach, proved by a constraint solver: a floor
 computed independently of our schedule generator, to score it against.
 
-The model is the simulator's (``pp/simulate.py``), with every choice left free:
+The model is the simulator's (``pp/schedule_sim.py``), with every choice left free:
 
 - each stage runs its forwards F, backwards B and (split) weight gradients W of one step, one
   at a time, with the given durations; W(k) after B(k) after F(k); each kind in micro-batch
@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from .simulate import DPSync, StageTimes, _per_stage
+from .schedule_sim import DPSync, StageTimes, _per_stage
 
 _TIME = 100  # solver ticks per ms
 _MEM = 100  # memory ticks per activation

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
-from .simulate import StageTimes
+from .schedule_sim import StageTimes
 
 
 @dataclass(frozen=True)

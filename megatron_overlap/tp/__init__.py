@@ -3,8 +3,13 @@
     linear.py        Column/Row autograd functions (forward, dgrad, wgrad as formulas)
     ag_gemm.py       all-gather -> GEMM as a chunked ring, beside its plain-PyTorch reference
     gemm_rs.py       GEMM -> reduce-scatter (ring or all-to-all), beside its reference
+    linear_ar.py     the same without sequence parallelism (all-reduces)
+    gemm_ar.py       GEMM -> all-reduce piece by piece, beside its reference
+    allreduce_fusion.py  CoCoNet's fusion of a Row linear's all-reduce and the bias-dropout-add after it
+    sub_batch.py     sub-batches across the ops of a block (``--overlap-tp-sub-batches``)
     wgrad.py         weight gradients with Megatron's ``main_grad`` semantics
-    plan.py          ``TPPlan`` (plain data) and ``TPPlanner`` (chunk rule, ``auto``, autotune, plan files)
+    wgrad_store.py   weight-gradient GEMMs held back while a later transfer travels
+    linear_plan.py   ``TPPlan`` (plain data) and ``TPPlanner`` (chunk rule, ``auto``, autotune, plan files)
     autotune.py      measured decompositions, plan files
     checks.py        model settings the overlapped linears cannot honour
     backends/        the two primitives per backend: p2p, symm-mem, fused
@@ -18,7 +23,6 @@ from ..comm.tags import STREAM_SIZE
 from ..errors import OverlapConfigError
 
 TP_MODES = ("off", "p2p", "symm-mem", "fused", "auto")
-BACKENDS = ("p2p", "symm-mem", "fused")  # what "auto" resolves to, once, at install
 RS_ALGOS = ("ring", "a2a")
 
 

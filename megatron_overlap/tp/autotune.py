@@ -1,5 +1,5 @@
 """Measured (``--overlap-tp-autotune``) and loaded (``--overlap-tp-plan-file FILE``) decompositions of the
-overlapped linears; ``plan.TPPlanner`` asks here before it falls back to the built-in rule.
+overlapped linears; ``linear_plan.TPPlanner`` asks here before it falls back to the built-in rule.
 
 A choice is (chunks per rank, tapered or uniform, reduce-scatter algorithm). The autotuner
 measures every candidate on the real TP group the first time a linear shape is seen (forward
@@ -24,6 +24,7 @@ from ..comm.agree import GroupAgreement
 from ..errors import OverlapConfigError
 from . import MAX_CHUNKS, check_chunks_fit
 from ..tune.cache import DiskCache, choose, device_name, private_rng, time_call
+from ..version import __version__
 
 logger = logging.getLogger("megatron_overlap")
 
@@ -56,11 +57,9 @@ class PlanChoice:
 
 def shape_key(kind: str, rows: int, batch: int, k: int, n: int, dtype: torch.dtype, world: int,
               device: torch.device, backend: str) -> str:
-    import megatron_overlap
-
     return "|".join([kind, f"rows{rows}xb{batch}", f"k{k}n{n}", str(dtype).replace("torch.", ""),
                      f"tp{world}", device_name(device), backend,
-                     f"torch{torch.__version__}", f"mo{megatron_overlap.__version__}"])
+                     f"torch{torch.__version__}", f"mo{__version__}"])
 
 
 def candidates(world: int, rows: int, batch: int, all_reduce: bool = False) -> list:

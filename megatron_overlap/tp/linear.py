@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..comm import waits
 from ..comm.collectives import all_gather_into
 from .backends.base import TPBackend
-from .plan import TPPlan
+from .linear_plan import TPPlan
 from .wgrad import as_2d, deferrable, deferred_weight_gradient, weight_gradient
 from .wgrad_store import WgradStore
 

@@ -22,7 +22,7 @@ import os
 import time
 from typing import Optional
 
-from .tracer import STEP, WAIT
+from .markers import STEP, WAIT
 
 FUSED_KERNELS = ("ag_gemm_kernel", "gemm_rs_kernel", "reduce_slots_kernel", "_push_chunk_kernel")
 COMPUTE_PREFIXES = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product",

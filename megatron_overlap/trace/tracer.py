@@ -22,24 +22,18 @@ from typing import Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from ..errors import OverlapConfigError
+from ..rules import iterations
+from .markers import STEP
+from .report import add_link_track, summarize
+
 logger = logging.getLogger("megatron_overlap")
 
-STEP = "megatron_overlap::step"
-WAIT = "megatron_overlap::wait"
-
-
-def wait(work) -> None:
-    """``work.wait()``, marked for the trace (costs ~1 us when no profiler runs)."""
-    with record_function(WAIT):
-        work.wait()
 
 
 def parse_iterations(text: str):
     """'3' or '3,5' or '3-5' -> the iterations, as ranges (``rules.iterations``: bounded, never
     expanded); a ``ValueError`` for anything else."""
-    from ..errors import OverlapConfigError
-    from ..rules import iterations
-
     try:
         return iterations(text, "trace.iterations")
     except OverlapConfigError as exc:
@@ -79,8 +73,6 @@ class StepTracer:
         if self.link is not None:
             link_spans = [(s.start, s.done) for s in self.link.stats.spans]
             self.link.record_spans = False
-        from .report import add_link_track, summarize
-
         add_link_track(path, link_spans)
         summary = summarize(path)
         exposed = summary["exposed_comm_ms"]

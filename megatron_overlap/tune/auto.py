@@ -25,7 +25,7 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
     """What ``--overlap-tp auto`` (or ``--overlap-tp-sub-batches auto``) runs when nothing was
     measured: the cost model simulates the model in Megatron's ``args`` on this GPU for stock,
     ``p2p`` (every chunk count and reduce-scatter the planner knows) and, where it runs,
-    ``symm-mem``, and returns the fastest (a ``tune.simulate.StrategyResult`` and the stock one),
+    ``symm-mem``, and returns the fastest (a ``tune.strategy_sim.StrategyResult`` and the stock one),
     or None without a known GPU or the model's dimensions. ``fixed_p2p = (chunks per rank, rs)``:
     the user fixed the decomposition, so the only candidates are stock and ``p2p`` with it.
     ``sub_batches``: the user's count, kept (candidates whole: the cut is planned at 1), or
@@ -37,7 +37,7 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
     if spec is None or any(getattr(args, n, None) is None for n in needed):
         return None
     from .hardware import get_hardware
-    from .planner import candidates as plan_candidates, make_plan
+    from .strategy_ranking import candidates as plan_candidates, make_plan
     from .strategies import Strategy
 
     model, run = _model_and_run(args)
@@ -50,7 +50,7 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
     else:
         allowed = [s for s in plan_candidates(run) if s.sub_batches in counts and not s.allreduce_fusion and (
             s.name == "megatron" or s.name == "p2p" or (s.name == "symm-mem" and symm_mem_usable))]
-    from .planner import UnbuildableError
+    from .strategy_ranking import UnbuildableError
 
     try:
         plan = make_plan(model, run, get_hardware(spec), allowed)
@@ -109,7 +109,7 @@ def predicted_pp_choice(args, device: Optional[str], world_size: Optional[int] =
                         overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
                         overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)))
     from ..pp.build import placement_times
-    from ..pp.simulate import LinkCost
+    from ..pp.schedule_sim import LinkCost
     from .pipeline import stage_costs
 
     run = replace(run, dp=dp, micro_batches=m)

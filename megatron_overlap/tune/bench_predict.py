@@ -14,7 +14,7 @@ Inputs, all from the bench's JSON result except the optional rate table:
   the element-wise share of the replay. Without them every GEMM runs at one rate and the
   replay's time is all GEMM.
 
-Stock and overlap are simulated with ``simulate.simulate_ops`` on the MLP op list: the stock
+Stock and overlap are simulated with ``strategy_sim.simulate_ops`` on the MLP op list: the stock
 forward's AG and RS exposed, its backward as megatron-core 0.16 runs it; the plugin's rings
 with the same pieces as the plugin, its Row backward's wgrad waiting for the whole gathered
 grad-output, and half of fc1's input re-gathered early. Not modelled: Megatron's Python
@@ -32,7 +32,7 @@ from .gemm import fit_efficiency, gemm_ms, table_from_rows
 from .hardware import cpu_emulated_spec
 from .layer_ops import mlp_ops
 from .models import RunSpec
-from .simulate import make_ctx, simulate_ops
+from .strategy_sim import make_ctx, simulate_ops
 from .strategies import Strategy
 
 

@@ -15,18 +15,32 @@ what its neighbour sent at step i - 1, which ends when this rank's own send of s
 
 Exposed communication is the time the compute stream sits idle because a task waits on a
 transfer. SM contention: a compute task marked ``contended`` runs slower while ``sm_comm`` link
-tasks are busy beside it (``overlap.contended_gemm_ms``); the schedule is recomputed with the
-slowed durations until it settles (a few passes).
+tasks are busy beside it (:func:`contended_gemm_ms`); the schedule is recomputed with the
+slowed durations until it settles (a few passes). With a share ``sigma`` of the SMs taken by the
+communication kernels while they run (0 for copy-engine and symmetric-memory transfers,
+~ CTAs / SMs for NCCL), a GEMM of ``T_g`` beside a transfer of ``T_c`` takes::
+
+    contended(T_g, T_c) = min(T_g / (1 - sigma),  T_g + sigma * T_c)
+
+(the GEMM runs at 1 - sigma of its rate while the transfer lasts, at full rate after it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .overlap import contended_gemm_ms
-
 COMPUTE = "compute"
 LINK_STREAMS = ("link", "net")
+
+
+def contended_gemm_ms(gemm_ms: float, comm_ms: float, sm_fraction: float) -> float:
+    """GEMM time while a communication kernel holding ``sm_fraction`` of the SMs runs for up to
+    ``comm_ms`` beside it (module docstring)."""
+    if not 0.0 <= sm_fraction < 1.0:
+        raise ValueError(f"sm_fraction must be in [0, 1), got {sm_fraction}")
+    if sm_fraction == 0.0 or comm_ms <= 0.0:
+        return gemm_ms
+    return min(gemm_ms / (1.0 - sm_fraction), gemm_ms + sm_fraction * comm_ms)
 
 
 @dataclass

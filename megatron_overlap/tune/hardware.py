@@ -183,7 +183,7 @@ def cpu_emulated_spec(
 
 def calibrate_gemm(hw: HardwareSpec, table) -> HardwareSpec:
     """``hw`` with its GEMM efficiency curve fitted to measured times: ``{(M, N, K): ms}`` or rows
-    ``{"M", "N", "K", "ms"}`` (e.g. the kernels issue's chunked-GEMM table of 1-16 chunks)."""
+    ``{"M", "N", "K", "ms"}`` (e.g. the GPU check's chunked-GEMM table of 1-16 chunks)."""
     from .gemm import fit_efficiency, table_from_rows
 
     if not isinstance(table, dict):

@@ -15,7 +15,7 @@ Per stage (``stage_times``):
   several on the first stage, one on the others): fp32 gradients reduce-scattered
   (distributed optimizer) as each bucket's last gradient is in, bf16 parameters all-gathered
   for the next step's first forward (``overlap_param_gather``): by the first forward's hook in
-  Megatron's non-interleaved schedule, from the step's start in ours (``pp/simulate.py``).
+  Megatron's non-interleaved schedule, from the step's start in ours (``pp/schedule_sim.py``).
 
 Assumptions beyond the layer model's own: stages are as balanced as whole layers allow; W is
 deferrable only where the schedule splits B (``zb``); TP overlap inside a stage is priced by
@@ -33,12 +33,12 @@ from ..config import PPConfig
 from ..pp import build
 from ..pp.memory import layer_activation_bytes
 from ..pp.buckets import buckets, stage_bucket_size
-from ..pp.simulate import DPSync, LinkCost, StageTimes, simulate as simulate_pipeline
+from ..pp.schedule_sim import DPSync, LinkCost, StageTimes, simulate as simulate_pipeline
 from ..pp.work import BlockWork, stage_params, stage_times
 from .comm import all_gather_cost, all_reduce_cost, p2p_ms, reduce_scatter_cost
 from .layer_ops import embedding_ops, head_ops, transformer_layer_ops
 from .models import ModelSpec, RunSpec
-from .simulate import OpsResult, make_ctx, simulate_ops
+from .strategy_sim import OpsResult, make_ctx, simulate_ops
 from .strategies import Strategy
 
 # (label, --overlap-pp mode, schedule kind, in flight: 0 = p, "2p-1": each stage two ahead of the next)
@@ -225,7 +225,7 @@ def simulate_schedules(model: ModelSpec, run: RunSpec, hw, strategy: Strategy = 
 
 def format_schedules(results: list, memory_gb: float = 0.0) -> str:
     stock = results[0]
-    lines = ["pipeline schedules (simulated: pp/simulate.py over the layer model's F, B, W per stage and one "
+    lines = ["pipeline schedules (simulated: pp/schedule_sim.py over the layer model's F, B, W per stage and one "
              "activation P2P per hop):",
              f"  {'schedule':32}{'step ms':>10}{'vs stock':>9}{'bubble':>8}{'exposed P2P':>13}{'exposed DP':>12}"
              f"{'act GB/stage':>13}  flags"]

@@ -17,11 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..pp import build
+from ..pp.schedule_sim import StageTimes, simulate as simulate_pipeline
 from .comm import all_gather_ms
 from .gemm import gemm_ms
 from .hardware import get_hardware
 from .models import RunSpec, get_model
-from .simulate import simulate
+from .pipeline import stage_costs, zb_gain
+from .strategy_sim import simulate
 from .strategies import Strategy
 
 COMMAND = "megatron-overlap plan --published"
@@ -135,8 +138,6 @@ def _prefill_why() -> str:
 def _zb(configs, which):
     """ZB-H1 against our asynchronous 1F1B (the split alone) over ``configs``: ``which`` =
     "gain" (1F1B step / ZB-H1 step) or "bubble" (ZB-H1 bubble / 1F1B bubble, free link)."""
-    from .pipeline import zb_gain
-
     def predict():
         found = []
         for label, model, hw, run in configs:
@@ -149,8 +150,6 @@ def _zb(configs, which):
 
 
 def _zb_why() -> str:
-    from .pipeline import stage_costs
-
     run = RunSpec(tp=1, pp=8, seq=4096, micro_batch=1, micro_batches=16, phase="train")
     t = stage_costs(get_model("llama2-7b"), run, get_hardware("a100-sxm")).times[1]
     ideal = (t.f + t.b - t.w) / (t.f + t.b + t.w)
@@ -240,10 +239,55 @@ def _rows() -> list[Row]:
     ] + _pipeline_rows() + _virtual_rows()
 
 
-def _virtual_rows() -> list[Row]:
-    from .virtual import virtual_rows
+def _bench_setting():
+    return get_model("llama3-70b"), RunSpec(tp=8, pp=4, dp=2, seq=8192, micro_batch=1, micro_batches=16,
+                                            phase="train"), get_hardware("h100-sxm")
 
-    return virtual_rows()
+
+def _interleaved_bubble():
+    model, run, hw = _bench_setting()
+    times = stage_costs(model, run, hw).times
+    r = simulate_pipeline(build("megatron", run.pp, run.micro_batches, chunks=2), times)
+    busy = max(r.busy_ms)
+    value = (r.step_ms - busy) / busy
+    even = simulate_pipeline(build("megatron", 4, 16, chunks=2), [StageTimes(1.0, 2.0, 0.0)])
+    return (f"{value:.3f} idle / busy on the cost model's stages ({(even.step_ms - 48) / 48:.4f} on equal "
+            "stages: 3 / 32)", value)
+
+
+def _zbv_bubble():
+    p, m = 4, 16
+    t = [StageTimes(1.0, 1.0, 1.0)]
+    zbv, stock = simulate_pipeline(build("zbv", p, m, chunks=2), t), simulate_pipeline(
+        build("megatron", p, m, chunks=2), t)
+    return (f"F = B = W, p = 4, m = 16: bubble {100 * zbv.bubble:.1f}% (stock interleaved v=2: "
+            f"{100 * stock.bubble:.1f}%) at p micro-batches of a stage (1F1B's peak); not zero: the last stage "
+            "waits p - 1 chunk forwards for its first input; the floor (pp/optimal.py) proves that optimal at "
+            "m = 8 (tests/test_pp_virtual.py)", None)
+
+
+def _zbv_traffic():
+    p, m = 4, 16
+
+    def sends(s):
+        return sum(1 for st in range(p) for a in s.actions[st] if a.op == "POST" for c in a.comms if c.op == "SEND")
+
+    ratio = sends(build("zbv", p, m, chunks=2)) / sends(build("1f1b", p, m))
+    return f"{ratio:.2f}x 1F1B's transfers per step (2 (2p - 2) against 2 (p - 1) per micro-batch)", ratio
+
+
+def _virtual_rows() -> list[Row]:
+    """Virtual pipelines (tune/virtual.py's schedules): interleaved 1F1B's bubble, ZB-V's."""
+    source = "Qi et al., \"Pipeline Parallelism with Controllable Memory\", NeurIPS 2024"
+    return [
+        Row("Megatron-LM interleaved 1F1B", "bubble (p-1)/(v m)", "anchors.md",
+            "llama3-70b, h100-sxm, TP=8 x PP=4, v=2, m=16, free link; our schedule data of Megatron's order",
+            _interleaved_bubble, 3 / 32),
+        Row("ZB-V", "zero bubble at 1F1B's activation memory when F ~ B ~ W", source,
+            "simulated (pp/schedule_sim.py), our ZB-V order", _zbv_bubble),
+        Row("ZB-V", "twice the stage-to-stage traffic", source, "counted in the schedules (pp/chunks.py)",
+            _zbv_traffic, 2.0),
+    ]
 
 
 def _pipeline_rows() -> list[Row]:
@@ -251,7 +295,7 @@ def _pipeline_rows() -> list[Row]:
     return [
         Row("Zero Bubble PP", "ZB-H1 bubble about 1/3 of 1F1B at the same memory",
             "arXiv 2401.10241 (Qi et al., ICLR 2024)",
-            "simulated (tune/pipeline.py over pp/simulate.py): ZB-H1 vs our 1F1B with the same async P2P; the "
+            "simulated (tune/pipeline.py over pp/schedule_sim.py): ZB-H1 vs our 1F1B with the same async P2P; the "
             "paper's models and GPUs are not in anchors.md, so varied: llama2-7b / llama2-13b, a100-sxm / h100-sxm, "
             "TP=1 x PP=8, seq 4096, micro-batches {8, 16, 32}",
             _zb(_configs("", ["llama2-7b", "llama2-13b"], ["a100-sxm", "h100-sxm"], zb_run, micro_batches=(8, 16, 32)),

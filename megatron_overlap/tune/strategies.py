@@ -35,7 +35,7 @@ done (the Column's wgrad after its last piece); ``symm-mem`` runs its fused redu
 an all-gather (the Column's beside its wgrad); ``fused`` does not run there. ``allreduce_fusion``
 (p2p, symm-mem): the attention projection's all-reduce as the backend's reduce-scatter, the
 residual add on T / R tokens, and a ring all-gather whose pieces feed the pre-MLP norm and fc1's
-GEMM (``simulate.simulate_ops``); its backward is stock's.
+GEMM (``strategy_sim.simulate_ops``); its backward is stock's.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Strategy:
     prefetch_fraction: float = 0.5
     fused_fill_chunks: int = 4
     fused_slowdown: Optional[float] = None  # None: measured for fused, 0 for flux (the paper's kernels)
-    sub_batches: int = 1  # p2p / symm-mem: attention and MLP blocks cut into this many row parts (simulate.py)
+    sub_batches: int = 1  # p2p / symm-mem: attention and MLP blocks cut into this many row parts (strategy_sim.py)
     allreduce_fusion: bool = False  # p2p / symm-mem without SP: --overlap-tp-allreduce-fusion
 
     def __post_init__(self):
@@ -113,7 +113,7 @@ class Strategy:
 
 
 def default_chunks_per_rank(rows_per_rank: int, batch: int = 1) -> int:
-    """The plugin's rule (``tp.plan.chunks_per_rank`` with ``--overlap-tp-chunks 0``)."""
+    """The plugin's rule (``tp.linear_plan.chunks_per_rank`` with ``--overlap-tp-chunks 0``)."""
     return max(1, min(5, rows_per_rank * batch // 256 + 1))
 
 
@@ -166,7 +166,7 @@ class Ctx:
 
     def ar_pieces(self) -> list[int]:
         """Token counts of the row pieces of the whole sequence the all-reduce path cuts a GEMM
-        into (``tp.plan.TPPlanner._make_ar``: R times the chunks per rank, at most one per row)."""
+        into (``tp.linear_plan.TPPlanner._make_ar``: R times the chunks per rank, at most one per row)."""
         s, rows = self.strategy, self.rows * self.tp
         chunks = min(rows, (s.chunks or default_chunks_per_rank(self.rows, self.batch)) * self.tp)
         return [r * self.batch for r in piece_rows(rows, chunks, taper=s.chunks == 0)]

@@ -10,6 +10,22 @@ from __future__ import annotations
 
 from .base import TPBackend, refuse
 from .p2p import P2PBackend
+from ..linear_plan import EXPLICIT_SHAPE
+
+
+def resolve_backend(tp) -> str:
+    """``auto`` without a cost-model pick -> ``symm-mem`` where PyTorch's symmetric memory runs,
+    else ``p2p``; any other mode is itself. ``auto`` honours an explicit decomposition
+    (``--overlap-tp-chunks`` / ``-rs`` / ``-bidirectional``): it then only chooses among backends
+    that take it, i.e. ``p2p``. ``fused`` is never picked automatically while the measured
+    figures say it is slower than stock (docs/tp-overlap.md)."""
+    if tp.mode != "auto":
+        return tp.mode
+    from . import symm_mem
+
+    if tp.given(*EXPLICIT_SHAPE):
+        return "p2p"
+    return "symm-mem" if symm_mem.availability()[0] else "p2p"
 
 
 def make_backend(name: str, timeout_s=None) -> TPBackend:
@@ -40,4 +56,4 @@ def make_backend(name: str, timeout_s=None) -> TPBackend:
     raise ValueError(f"unknown TP-overlap backend {name!r}")
 
 
-__all__ = ["P2PBackend", "TPBackend", "make_backend", "refuse"]
+__all__ = ["P2PBackend", "TPBackend", "make_backend", "refuse", "resolve_backend"]

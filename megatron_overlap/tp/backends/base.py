@@ -24,7 +24,7 @@ backend's collective while the next computes (``..gemm_ar``). ``fused`` does not
 (``ALL_REDUCE``): its GEMM-RS sends its slots only once the whole kernel has run, so an
 all-reduce built from it would hide nothing.
 
-``plan`` is a :class:`..plan.TPPlan` (pieces, reduce-scatter algorithm).
+``plan`` is a :class:`..linear_plan.TPPlan` (pieces, reduce-scatter algorithm).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class TPBackend(abc.ABC):
         """``AR(x @ weight_t)`` as a pending object whose ``finish()`` returns it whole. ``plan``'s
         pieces cut ``x``'s rows (the whole sequence). Default: this backend's GEMM-RS on the
         rows' R shards (the plan's chunk count over R per shard), then an all-gather."""
-        from ..plan import TPPlan
+        from ..linear_plan import TPPlan
         from ...comm.rings import split_pieces
 
         size = dist.get_world_size(group)

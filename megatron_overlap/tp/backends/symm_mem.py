@@ -12,8 +12,8 @@ activation ``[S, b, h]`` per Column linear per micro-batch until its backward; r
 costs one all-gather of the input per Column linear, as stock Megatron does.
 
 CUDA only (NCCL groups, symmetric memory): on anything else the backend refuses at install
-and at the first layer. :class:`ReferenceSymmMemOps` computes the same two ops with stock
-collectives, so the composition above is tested on CPU with gloo.
+and at the first layer. The tests compute the same two ops with stock collectives
+(tests/symm_mem_reference.py), so the composition above is tested on CPU with gloo.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from ...comm.collectives import all_gather_into, reduce_scatter_into
-from .base import Done, TPBackend, gathered_buffer, refuse
+from .base import Done, TPBackend, refuse
 
 
 def availability(device_type=None) -> tuple[bool, str]:
@@ -65,22 +64,6 @@ class TorchSymmMemOps:
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(x.contiguous(), weight_t, "sum", 0, self._name(group))
 
 
-class ReferenceSymmMemOps:
-    """The same two ops with stock collectives, no overlap (any backend, CPU included)."""
-
-    def all_gather_matmul(self, x, weight_t, group, return_gathered):
-        gathered = gathered_buffer(x, group)
-        all_gather_into(gathered, x.contiguous(), group)
-        return torch.matmul(gathered, weight_t), (gathered if return_gathered else None)
-
-    def matmul_reduce_scatter(self, x, weight_t, group):
-        full = torch.matmul(x, weight_t).contiguous()
-        size = dist.get_world_size(group)
-        out = torch.empty((full.shape[0] // size, *full.shape[1:]), dtype=full.dtype, device=full.device)
-        reduce_scatter_into(out, full, group)
-        return out
-
-
 class SymmMemBackend(TPBackend):
     name = "symm-mem"
 
@@ -88,8 +71,6 @@ class SymmMemBackend(TPBackend):
         self.ops = ops if ops is not None else TorchSymmMemOps()
 
     def check(self, x: torch.Tensor) -> None:
-        if isinstance(self.ops, ReferenceSymmMemOps):
-            return
         ok, why = availability(x.device.type)
         if not ok:
             refuse("symm-mem", why)

@@ -10,7 +10,7 @@ The planner owns every rule that picks one:
 - the built-in chunk rule (:func:`chunks_per_rank`), tapered when it chooses, uniform when the
   user set ``--overlap-tp-chunks``;
 - ``--overlap-tp-autotune`` / ``--overlap-tp-plan-file`` (:class:`.autotune.PlanTuner`), once per shape;
-- ``--overlap-tp auto``, which is resolved before the planner exists (:func:`resolve_backend`),
+- ``--overlap-tp auto``, which is resolved before the planner exists (``tp.backends.resolve_backend``),
   so the planner only ever sees a concrete backend.
 
 Without sequence parallelism (kinds ``column_ar`` / ``row_ar``, ``linear_ar.py``) the pieces cut
@@ -59,21 +59,6 @@ AR_KINDS = ("column_ar", "row_ar")  # the linears without sequence parallelism (
 
 
 EXPLICIT_SHAPE = ("chunks", "rs", "bidirectional")  # decomposition flags only p2p (and fused, partly) take
-
-
-def resolve_backend(tp) -> str:
-    """``auto`` without a cost-model pick -> ``symm-mem`` where PyTorch's symmetric memory runs,
-    else ``p2p``; any other mode is itself. ``auto`` honours an explicit decomposition
-    (``--overlap-tp-chunks`` / ``-rs`` / ``-bidirectional``): it then only chooses among backends
-    that take it, i.e. ``p2p``. ``fused`` is never picked automatically while the measured
-    figures say it is slower than stock (docs/tp-overlap.md)."""
-    if tp.mode != "auto":
-        return tp.mode
-    from .backends import symm_mem
-
-    if tp.given(*EXPLICIT_SHAPE):
-        return "p2p"
-    return "symm-mem" if symm_mem.availability()[0] else "p2p"
 
 
 def tokens_per_row(x: torch.Tensor) -> int:

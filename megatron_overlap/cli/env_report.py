@@ -42,7 +42,7 @@ def report() -> dict:
         "nccl": dist.is_available() and dist.is_nccl_available(),
     }
     from ..tp.backends import fused, symm_mem
-    from ..tp.plan import resolve_backend
+    from ..tp.backends import resolve_backend
     from ..config import TPConfig
 
     symm_ok, symm_why = symm_mem.availability()

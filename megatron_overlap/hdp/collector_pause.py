@@ -4,7 +4,7 @@ A step's plan builds some 10^5 small objects (shards, tuples, micro-batches), al
 plan is returned and none in a reference cycle. Each allocation burst makes the collector walk
 them, young generations often and every live object now and then (the full collection), for
 nothing to free: 15-20% of the planner's time at R = 256 on the 6204-sequence batch of
-BENCHMARKS.md's issue-24 third pass. :func:`gc_paused` turns the collector off for the call and
+BENCHMARKS.md's HDP planner-time pass. :func:`gc_paused` turns the collector off for the call and
 back on after it (only if it was on: nested calls, and a caller that turned it off, are left as
 they are); reference counting still frees everything as usual. The plans do not change.
 """

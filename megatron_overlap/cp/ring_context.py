@@ -3,9 +3,10 @@
 Hybrid data parallelism (``--overlap-hdp``) gives every sequence its own ring: an ordered list of ranks
 inside one parent group (no communicator per ring), chosen per micro-batch by the scheduler. The
 HDP runtime enters :func:`ring` around each micro-batch's forward and backward; the patched
-``DotProductAttention`` (``patch._attention_forward``) then runs :func:`cp_attention` over that
-ring, with the micro-batch's packed layout, instead of Megatron's fixed CP group. A ring of one
-rank is a local micro-batch (packed documents, no communication).
+``DotProductAttention`` (``integration.attention._attention_forward``) then runs
+``cp.attention.cp_attention`` over that ring, with the micro-batch's packed layout, instead of
+Megatron's fixed CP group. A ring of one rank is a local micro-batch (packed documents, no
+communication).
 
 The backward of ring attention communicates too: autograd runs ``cp_attention``'s backward with
 the ring it saw in the forward, so only a forward reads this. A forward that activation

@@ -1,9 +1,9 @@
-"""The trade-off behind hdp.both_models (issue 24): per heavy-tailed batch (the sweep's, R = 64 and 256,
+"""The trade-off behind hdp.bound_tradeoff: per heavy-tailed batch (the sweep's, R = 64 and 256,
 1-2 x R x C), our plan made with the linears 1.0-2.0x cheaper, scored under our model (+1 ms per
 micro-batch) and the L^2 model against their bounds; per selection rule (ours-model target, L^2
 target, candidate speedups; ours where it is within 1.10x of the L^2 bound) the time-weighted pair.
 
-    python scripts/hdp_both_models_scan.py
+    python scripts/hdp_bound_tradeoff_scan.py
 """
 import dataclasses
 import warnings

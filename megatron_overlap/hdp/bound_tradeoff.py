@@ -6,7 +6,7 @@ and the ranks of short documents look idle. On batches of many short documents a
 ones (1-2 x R x C of the heavy-tailed distribution) our plan sat 1.08-1.12x above the ``L^2``
 bound while 1.00-1.04x above ours. Planning with the linears made cheaper (``gemm_fraction``
 raised: a blend towards ``L^2``) moves a plan along that trade-off: wider rings, ``L^2`` down,
-ours up (BENCHMARKS.md, issue 24).
+ours up (BENCHMARKS.md, HDP on real batches).
 
 ``for_both`` keeps our plan whenever it is within ``L2_TARGET`` of the ``L^2`` bound (one extra
 simulation and bound: most large batches stop there). Otherwise it plans again with the linears
@@ -25,8 +25,8 @@ import dataclasses
 from typing import Optional, Sequence
 
 from .cost import SquareWorkload
-from .gcpause import gc_paused
-from .plan import Plan
+from .collector_pause import gc_paused
+from .step_plan import Plan
 from .simulate import lower_bound_ms, simulate
 
 OURS_TARGET = 1.05

@@ -5,7 +5,7 @@ uniform chunks per rank, each with ``ring`` and (for TP > 2, where they differ) 
 reduce-scatter; ``symm-mem``; ``fused``; ``p2p`` (the plugin's chunk rule) with 2 and 3
 sub-batches and ``symm-mem`` with 2 (``tune/sub_batches.py``); without sequence parallelism the
 all-reduce path's (``ring`` only) and the all-reduce fusion with ``p2p`` and ``symm-mem``. Each is
-simulated (``simulate.simulate``); those that cannot run the configuration are listed with the reason.
+simulated (``strategy_sim.simulate``); those that cannot run the configuration are listed with the reason.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import textwrap
 from dataclasses import dataclass
 
 from .models import ModelSpec, RunSpec
-from .simulate import StrategyResult, simulate
+from .strategy_sim import StrategyResult, simulate
 from .strategies import Strategy
 
 

@@ -65,14 +65,14 @@ def run_from_args(args, model: ModelSpec) -> RunSpec:
 
 
 def plan_main(args) -> int:
-    from ..tune.planner import draw_plan_timeline, format_plan, make_plan, plan_json
+    from ..tune.strategy_ranking import draw_plan_timeline, format_plan, make_plan, plan_json
 
     if args.published:
         from ..tune.published import published_table
 
         print(published_table())
         return 0
-    from .checks import counts
+    from .arg_checks import counts
 
     counts("plan", tp=(args.tp, 1), cp=(args.cp, 1), pp=(args.pp, 1), dp=(args.dp, 1),
            micro_batch=(args.micro_batch, 1), **{d: (getattr(args, d), 1) for d in _DIMS + ("seq", "micro_batches")
@@ -82,7 +82,7 @@ def plan_main(args) -> int:
         run = run_from_args(args, model)
     except ValueError as exc:
         raise SystemExit(f"plan: {exc}") from None
-    from ..tune.planner import UnbuildableError
+    from ..tune.strategy_ranking import UnbuildableError
 
     try:
         plan = make_plan(model, run, get_hardware(args.hardware))

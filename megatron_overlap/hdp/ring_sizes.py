@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .cost import HdpCostModel
-from .scheduler import NODE_SLACK, local_ms  # sizes is imported by scheduler's functions, after it
+from .cost import NODE_SLACK, HdpCostModel, local_ms
 
 
 class RingSizes:
