@@ -165,6 +165,9 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
     scoring = dataclasses.replace(cost, microbatch_overhead_ms=overhead_ms)
     square = SquareWorkload(gpus_per_node=cost.gpus_per_node)
     bounds = [lower_bound_ms(lens, ranks, capacity_tokens, scoring) for lens in batches]
+    from ..hdp.simulate import granularity_bound
+
+    granularity = [granularity_bound(lens, ranks, capacity_tokens, scoring) for lens in batches]
     square_bounds = [lower_bound_ms(lens, ranks, capacity_tokens, square) for lens in batches]
     plans = {name: [] for name in SCHEDULER_NAMES}
     errors = {name: [] for name in SCHEDULER_NAMES}
@@ -210,6 +213,8 @@ def run(batches: Sequence[Sequence[int]], ranks: int, capacity_tokens: int, cost
         out[name]["schedule_ms_max"] = 1e3 * max(per_step[name])
         out[name]["per_step"]["batch"] = ks
         out[name]["guard_kept_megatron"] = sum(any(n.startswith("guard:") for n in p.notes) for p in plans[name])
+        out[name]["per_step"]["imbalance"] = [p.imbalance(scoring) for p in plans[name]]
+        out[name]["per_step"]["granularity_bound"] = [granularity[k] for k in ks]
     return out
 
 
@@ -237,6 +242,12 @@ def format_table(result: Dict) -> str:
                  f"(simulate.lower_bound_ms); sq. vs bnd: the same plans scored with megatron-core's own model "
                  f"(L^2 / cp, no communication) against its bound; moved: tokens leaving the rank that loaded them "
                  f"(rank i mod R loads sequence i), per step")
+    hdp = result["schedulers"].get("hdp", {}).get("per_step", {})
+    if hdp.get("imbalance"):
+        lines.append("per batch, hdp's imbalance / the granularity bound (simulate.granularity_bound: the longest "
+                     "sequence at its best spread over the even share of the least work; 1.000 = the batch allows "
+                     "perfect balance): " + ", ".join(f"{i:.3f} / {g:.3f}" for i, g in
+                                                       zip(hdp["imbalance"], hdp["granularity_bound"])))
     for name, s in result["schedulers"].items():
         if s.get("failed_steps"):
             lines.append(f"  {name}: failed on {s['failed_steps']} of {cfg['steps']} steps: {s['error'][:200]}")
@@ -251,15 +262,17 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(default: a built-in distribution)")
     parser.add_argument("--distribution", choices=DISTRIBUTIONS, default="heavy-tailed",
                         help="built-in distribution when no --lengths-file or --corpus is given")
-    parser.add_argument("--corpus", choices=("packages",), default=None,
-                        help="real lengths from this machine: packages = the installed packages' and the standard "
-                             "library's source files concatenated per package (cli/corpus.py)")
+    parser.add_argument("--corpus", choices=("packages", "pile"), default=None,
+                        help="real lengths: packages = the installed packages' and the standard library's source "
+                             "files concatenated per package on this machine (cli/corpus.py); pile = documents drawn "
+                             "from The Pile's published per-component counts and mean sizes (cli/pile_lengths.py; "
+                             "the default of --emulate)")
     parser.add_argument("--write-lengths", default="", metavar="F",
                         help="also write the batches to F in the --lengths-file format")
     parser.add_argument("--micro-batch-overhead-ms", dest="microbatch_overhead_ms", type=float, default=1.0,
                         metavar="MS",
                         help="fixed cost of each micro-batch when scoring (not when hdp plans)")
-    parser.add_argument("--ranks", type=int, default=64, help="R = DP x CP ranks")
+    parser.add_argument("--ranks", type=int, default=None, help="R = DP x CP ranks (default 64; with --emulate 16)")
     parser.add_argument("--overlap-hdp-max-tokens-per-rank", dest="max_tokens_per_rank", type=int, default=32768,
                         metavar="C",
                         help="C: rows one rank holds in a micro-batch (as the training flag)")
@@ -288,6 +301,9 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--sweep-multiples", default="1,2,4,8", metavar="M,M")
     parser.add_argument("--json", action="store_true", help="print one JSON line after the table")
     parser.add_argument("--no-progress", action="store_true")
+    from .bench_hdp_emulate import add_emulate_args
+
+    add_emulate_args(parser)
     from ..args import add_alias
 
     add_alias(parser, "--max-tokens-per-rank", "--overlap-hdp-max-tokens-per-rank")
@@ -296,6 +312,11 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def hdp_main(args) -> int:
+    if args.emulate:
+        from .bench_hdp_emulate import emulate_main
+
+        return emulate_main(args)
+    args.ranks = args.ranks or 64
     if args.sweep:
         from .bench_hdp_sweep import sweep_main
 

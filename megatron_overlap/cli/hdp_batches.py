@@ -1,5 +1,6 @@
 """Where ``bench hdp``'s full batches come from (its module docstring): a lengths file, cut
-into batches by ``--batch-tokens`` or by its blank lines; the ``packages`` corpus; a built-in
+into batches by ``--batch-tokens`` or by its blank lines; the ``packages`` corpus; the ``pile``
+sample (The Pile's published per-component statistics, ``pile_lengths.py``); a built-in
 distribution."""
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ def load_batches(args):
         raise ValueError("pass --lengths-file or --corpus, not both")
     if args.lengths_file:
         return cut_lengths_file(args.lengths_file, args.batch_tokens, R, C)
+    if args.corpus == "pile":
+        from .pile_lengths import describe, pile_batches
+
+        batches = pile_batches(args.batch_tokens or 8 * R * C, max_len_for(R, C, args.max_len or R * C), args.steps,
+                               args.seed)
+        return batches, f"corpus pile ({describe(batches)})"
     if args.corpus:
         from .corpus import corpus_batches, describe, package_documents
 

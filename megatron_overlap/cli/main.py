@@ -88,6 +88,11 @@ def _add_other_commands(sub) -> None:
 
     add_pp_args(bench_sub.add_parser(
         "pp", help="pipeline schedules (PP stages, one rank each): stock 1F1B vs ours, emulated link"))
+    from .bench_cp import add_cp_args
+
+    add_cp_args(bench_sub.add_parser(
+        "cp", help="context parallelism (ring, all-to-all, hybrid, the waited ring) on a long sequence: simulated, "
+        "or measured on the emulated cluster (--emulate)"))
     from .bench_hdp import add_hdp_args
 
     add_hdp_args(bench_sub.add_parser(
@@ -149,6 +154,10 @@ def main(argv=None) -> int:
         from .bench_pp import pp_main
 
         return pp_main(args)
+    if args.command == "bench" and args.bench == "cp":
+        from .bench_cp import cp_main
+
+        return cp_main(args)
     if args.command == "bench" and args.bench == "hdp":
         from .bench_hdp import hdp_main
 

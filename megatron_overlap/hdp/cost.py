@@ -9,11 +9,13 @@ backward over all layers::
     pairs of a causal sequence of L tokens = L (L + 1) / 2   (the causal half), / n on a ring of n
 
 A ring of n ranks moves, per layer, n-1 key/value blocks of ``kv_bytes = 2 kv_heads head_dim
-dtype_bytes rows`` forward, and n-1 key/value blocks plus n-1 dK/dV blocks backward. Each block
-travels while the rank attends to the block in hand (``cp/ring.py``), so per ring step only the
-part of the transfer longer than one block's attention is exposed::
+dtype_bytes rows`` forward, and n-1 key/value blocks plus n-1 dK/dV running sums backward, the
+sums in fp32 (``cp/ring.py``: twice a bf16 block's bytes). Each block travels while the rank
+attends to the block in hand, so per ring step only the part of the transfer longer than one
+block's attention is exposed::
 
-    exposed_ms = layers (n-1) [ max(0, t(kv) - a_fwd / n) + max(0, 2 t(kv) - a_bwd / n) ]
+    exposed_ms = layers (n-1) [ max(0, t(kv) - a_fwd / n) + max(0, t(kv + dkv) - a_bwd / n) ]
+    dkv        = kv_bytes x 4 / dtype_bytes   (fp32 sums)
     t(B)       = latency + B / bandwidth        a_fwd, a_bwd = this rank's attention per layer
 
 Nothing else hides the ring (the linears before and after attention depend on it). Links: a ring
@@ -39,7 +41,7 @@ from .shard import rows_held
 # an inter-node ring also competes with the gradient all-reduce, which the model leaves out.
 NODE_SLACK = 0.02
 
-RING_PASSES = 3  # key/value blocks forward, key/value blocks again and dK/dV blocks backward
+DKV_BYTES = 4  # the dK/dV running sums travel in fp32 (cp/ring.py)
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,11 @@ class HdpCostModel:
         """2 (K, V) x kv_heads x head_dim x dtype_bytes, per layer."""
         return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
+    @property
+    def kv_dkv_bytes_per_token(self) -> int:
+        """A backward ring step's bytes per token and layer: K, V and the fp32 dK, dV sums."""
+        return 2 * self.kv_heads * self.head_dim * (self.dtype_bytes + DKV_BYTES)
+
     # -- costs ---------------------------------------------------------------------------------
     def compute_ms(self, rows: float, pairs: float) -> float:
         """Forward + backward compute of ``rows`` rows with ``pairs`` causal attention pairs."""
@@ -152,10 +159,10 @@ class HdpCostModel:
 
     def ring_bytes(self, rows: float, cp_size: int) -> float:
         """Bytes one rank sends for its ``rows`` in one ring of ``cp_size``: all layers, forward
-        and backward: ``RING_PASSES x layers x (n-1) x kv_bytes_per_token x rows``."""
+        and backward: ``layers x (n-1) x (2 kv_bytes_per_token + the fp32 dK/dV) x rows``."""
         if cp_size <= 1:
             return 0.0
-        return RING_PASSES * self.layers * (cp_size - 1) * self.kv_bytes_per_token * rows
+        return self.layers * (cp_size - 1) * (self.kv_bytes_per_token + self.kv_dkv_bytes_per_token) * rows
 
     def exposed_ring_ms(self, rows: float, pairs: float, ring: Sequence[int]) -> float:
         """Ring transfer time not hidden behind attention (module docstring)."""
@@ -165,7 +172,7 @@ class HdpCostModel:
 
     def _exposed(self, rows: float, pairs: float, n: int, link: Link) -> float:
         t_kv = transfer_ms(self.kv_bytes_per_token * rows, link)
-        t_kv_dkv = transfer_ms(2 * self.kv_bytes_per_token * rows, link, messages=2)
+        t_kv_dkv = transfer_ms(self.kv_dkv_bytes_per_token * rows, link, messages=2)
         a_fwd = pairs * self.attention_fwd_ms_per_pair / self.layers
         a_bwd = a_fwd * self.attention_bwd_factor
         per_layer = (n - 1) * (max(0.0, t_kv - a_fwd / n) + max(0.0, t_kv_dkv - a_bwd / n))
@@ -196,7 +203,7 @@ class HdpCostModel:
         lat = np.where(intra, self.intra_latency_us, self.inter_latency_us)
         kvb = self.kv_bytes_per_token
         t_kv = kvb * rows / (bw * 1e9) * 1e3 + (0.0 + 1 * lat * 1e-3)
-        t_kv_dkv = 2 * kvb * rows / (bw * 1e9) * 1e3 + (0.0 + 2 * lat * 1e-3)
+        t_kv_dkv = self.kv_dkv_bytes_per_token * rows / (bw * 1e9) * 1e3 + (0.0 + 2 * lat * 1e-3)
         a_fwd = pairs * self.attention_fwd_ms_per_pair / self.layers
         a_bwd = a_fwd * self.attention_bwd_factor
         per_layer = (ns - 1) * (np.maximum(0.0, t_kv - a_fwd / ns) + np.maximum(0.0, t_kv_dkv - a_bwd / ns))

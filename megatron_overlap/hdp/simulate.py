@@ -216,3 +216,19 @@ def lower_bound_ms(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, co
     options = options_many(seq_lens, ranks, capacity_tokens, cost)
     total = sum(options[L][1] for L in seq_lens)
     return max(total / ranks, max(options[L][0] for L in seq_lens))
+
+
+def granularity_bound(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, cost) -> float:
+    """How far above perfect balance the longest sequence alone holds every plan of these
+    sequences (under ``cost``)::
+
+        max(1, max_i min_n w_i(n) / (sum_i min_n n w_i(n) / R))
+
+    the longest sequence at its best spread against the least total work dealt evenly
+    (``lower_bound_ms``' two terms): no plan's step is shorter than this times the even share of
+    the least work. 1: the batch's pieces are fine enough for perfect balance, so an imbalance
+    above it is the planner's, not the batch's."""
+    options = options_many(seq_lens, ranks, capacity_tokens, cost)
+    even = sum(options[L][1] for L in seq_lens) / ranks
+    longest = max(options[L][0] for L in seq_lens)
+    return max(1.0, longest / even) if even > 0 else 1.0

@@ -130,7 +130,7 @@ class Plan:
 
     def cp_comm_bytes(self, cost: HdpCostModel) -> float:
         """Bytes all ranks send through rings in the step: per ring and rank,
-        ``RING_PASSES x layers x (n-1) x 2 kv_heads head_dim dtype_bytes x rows``."""
+        ``HdpCostModel.ring_bytes`` (K/V twice in bf16, the dK/dV sums in fp32)."""
         total = 0.0
         for mbs in self.microbatches:
             for mb in mbs:

@@ -92,9 +92,10 @@ class AttentionBenchRanks:
         """The ring's compute alone: every block and merge of this rank, forward and backward, with
         the exchanges made local copies (the blocks' positions, hence their masks, unchanged)."""
         from ..cp import ring
+        from .emulated_attention import local_exchange as local_copy
 
         real = ring.exchange
-        ring.exchange = _local_exchange
+        ring.exchange = local_copy
         try:
             dist.barrier()
             t0 = time.perf_counter()
@@ -134,20 +135,3 @@ class AttentionBenchRanks:
         parity = max(((a - b).norm() / b.norm()).item() for a, b in zip(self.grads["overlap"], self.grads["serial"]))
         return {"link": self.spec.as_dict(), "parity": parity, "block_bytes": self.block_bytes,
                 "work": {"forward": self.work.forward_elements, "backward": self.work.backward_elements}}
-
-
-class _Done:
-    def wait(self, timeout=None):
-        return True
-
-    def is_completed(self):
-        return True
-
-
-def _local_exchange(group, *, send=None, dst=None, recv=None, src=None, tag=0):
-    """``comm.p2p.exchange`` without communication: what would arrive is this rank's own send
-    (same shape), or zeros for a receive alone (the dK/dV sums: their values do not change the
-    work)."""
-    if recv is not None:
-        recv.copy_(send) if send is not None and send.shape == recv.shape else recv.zero_()
-    return (_Done() if send is not None else None), (_Done() if recv is not None else None)

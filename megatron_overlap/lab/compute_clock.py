@@ -40,6 +40,7 @@ class ComputeClock:
         self.ahead_s = ahead_s
         self.end = float("-inf")  # when the last op ends (perf_counter seconds)
         self.busy_s = 0.0
+        self.late_s = 0.0  # device idle because the host issued an op late (not waiting for a transfer)
         self.record = record
         self.spans: List[Tuple[str, float, float]] = []
 
@@ -50,6 +51,8 @@ class ComputeClock:
         """One op of ``seconds`` (returns up to ``ahead_s`` before its end)."""
         now = time.perf_counter()
         start = self._start(now)
+        if start == now and self.end > float("-inf"):
+            self.late_s += now - self.end
         end = start + max(0.0, seconds)
         self.end = end
         self.busy_s += end - start
@@ -79,4 +82,5 @@ class ComputeClock:
     def reset(self) -> None:
         self.end = float("-inf")
         self.busy_s = 0.0
+        self.late_s = 0.0
         self.spans = []

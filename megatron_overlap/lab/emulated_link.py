@@ -6,7 +6,8 @@ egress port is free to start it, and waiting for it costs no CPU (the waiting th
 - one egress port per rank (a switch, as NVSwitch or a NIC): transfers a rank issues queue
   behind each other; ``bandwidth_GBps`` is that port's rate. With ``LinkSpec.ports ==
   "group"`` a rank has one such port per process group (communicators side by side), and with
-  ``node_size`` two tiers (a transfer inside a node at the intra-node rate);
+  ``node_size`` two tiers (a transfer inside a node at the intra-node rate; bytes counted per
+  tier, ``LinkStats.bytes_by_tier``);
 - a collective over R ranks sends what a ring algorithm sends: all-gather and reduce-scatter
   ``(R-1)`` shards, all-reduce ``2(R-1)/R`` of the buffer, all-to-all ``(R-1)/R``; it pays
   ``R-1`` latencies (``2(R-1)`` for all-reduce). Its real gloo op is issued at once; ``wait``
@@ -137,8 +138,10 @@ class EmulatedLink:
                 self.stats.calls_by_op[name] += 1
             return now
         port = self._channel(group) if spec.ports == "group" else 0
-        gbps, latency_us, launch_us = spec.tier(ranks if ranks is not None else self._ranks(group)) \
-            if spec.node_size else (spec.bandwidth_GBps, spec.latency_us, spec.launch_us)
+        among = (ranks if ranks is not None else self._ranks(group)) if spec.node_size else ()
+        gbps, latency_us, launch_us = spec.tier(among) if spec.node_size else \
+            (spec.bandwidth_GBps, spec.latency_us, spec.launch_us)
+        self.stats.bytes_by_tier[spec.tier_name(among)] += nbytes
         ready = self.clock.ready(now) if self.clock is not None else now
         start = max(ready, self._free_at.get(port, 0.0))
         xfer = nbytes / (gbps * 1e9)

@@ -57,6 +57,23 @@ class LinkSpec:
             return self.intra_GBps, self.intra_latency_us, self.intra_launch_us
         return self.bandwidth_GBps, self.latency_us, self.launch_us
 
+    @classmethod
+    def two_tier(cls, link, bandwidth_factor: float = 1.0, time_factor: float = 1.0) -> "LinkSpec":
+        """The emulated link of a ``tune.two_tier.TwoTierLink`` (the simulator's fabric), one port
+        per rank and process group. Bandwidths times ``bandwidth_factor``, latencies times
+        ``time_factor``: a lab whose bytes are ``b`` x the modelled ones and whose clock runs ``t`` x
+        the modelled time passes ``b / t`` and ``t``, so every transfer takes ``t`` x its modelled
+        time."""
+        return cls(bandwidth_GBps=link.inter_GBps * bandwidth_factor, latency_us=link.inter_latency_us * time_factor,
+                   ports="group", node_size=link.node_size, intra_GBps=link.intra_GBps * bandwidth_factor,
+                   intra_latency_us=link.intra_latency_us * time_factor)
+
+    def tier_name(self, ranks) -> str:
+        """"intra" or "inter" for a transfer among global ``ranks`` ("link" on a one-tier link)."""
+        if not self.node_size:
+            return "link"
+        return "intra" if len({r // self.node_size for r in ranks}) == 1 else "inter"
+
     def seconds(self, nbytes: float, messages: int = 1) -> float:
         return nbytes / (self.bandwidth_GBps * 1e9) + messages * self.latency_us * 1e-6 + self.launch_us * 1e-6
 
@@ -94,6 +111,7 @@ class LinkStats:
     waits: list = field(default_factory=list)  # (start, end) of blocking waits
     wait_ops: list = field(default_factory=list)  # the op each of ``waits`` waited for
     blocked_by_op: dict = field(default_factory=lambda: defaultdict(float))
+    bytes_by_tier: dict = field(default_factory=lambda: defaultdict(int))  # "intra" / "inter" ("link": one tier)
 
     @property
     def total_bytes(self) -> int:

@@ -7,6 +7,8 @@ probing of the machine (``measure_cpu`` is the one module that times anything, o
     measure_cpu.py this CPU's GEMM and element-wise rates (the one module that times anything)
     gemm.py        roofline / efficiency-curve GEMM time, calibration from measured tables
     comm.py        alpha-beta collectives on a one-egress-port-per-rank switch
+    two_tier.py    the two-tier fabric (nodes, intra- and inter-node links) the long-context
+                   simulators and the emulated link share
     engine.py      in-order stream scheduler (tasks as data) and exposed-communication accounting
     layer_ops.py   a transformer layer's ops and their costs
     strategies.py, transfers.py, sub_batches.py

@@ -1,0 +1,66 @@
+"""A transformer whose compute is a wait, around the product's context-parallel attention: the
+long-context runs of the emulated cluster (``lab/cp_cluster.py``, ``lab/hdp_cluster.py``).
+
+Per layer group (``layers`` consecutive layers, every one alike), in autograd order::
+
+    forward    QKV linears (wait) -> attention (``attend(q, k, v)``: the product's code, its
+               blocks waits, ``lab/emulated_attention.py``) -> projection + MLP (wait)
+    backward   the same in reverse, each linear's B + W twice its forward
+
+and the output layer after the last group (its backward first). The linears' rates are
+``cp.step_model.LayerCosts`` (the cost model's, as the simulator takes them); a group of k layers
+waits k times one layer's time. Tensors hold one element per head (``[rows, 1, heads, 1]``,
+bf16), so the attention's transfers carry its modelled bytes times the lab's byte factor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+class _Wait(torch.autograd.Function):
+    """Identity whose forward waits ``fwd_s`` and backward ``bwd_s`` on the clock."""
+
+    @staticmethod
+    def forward(ctx, x, clock, fwd_s: float, bwd_s: float, label: str):
+        clock.run(fwd_s, label)
+        ctx.clock, ctx.bwd_s, ctx.label = clock, bwd_s, label
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.run(ctx.bwd_s, ctx.label + " backward")
+        return grad, None, None, None, None
+
+
+class EmulatedTransformer:
+    """``groups``: layers per group; ``costs``: ``cp.step_model.LayerCosts``; ``time_factor``: clock
+    seconds per modelled second; ``heads`` / ``kv_heads``: the head tensors' heads."""
+
+    def __init__(self, costs, clock, groups: Sequence[int], time_factor: float, heads: int, kv_heads: int):
+        self.costs, self.clock, self.groups = costs, clock, tuple(groups)
+        self.time_factor, self.heads, self.kv_heads = time_factor, heads, kv_heads
+
+    def _s(self, ms: float) -> float:
+        return ms * 1e-3 * self.time_factor
+
+    def step(self, rows: int, modelled_rows: float, attend: Callable, groups: Sequence[int] = ()) -> None:
+        """Forward and backward of every group (``groups``: layers per group, default the
+        model's) on ``rows`` emulated rows standing for ``modelled_rows`` tokens (padding
+        included)."""
+        c, hq, hk = self.costs, self.heads, self.kv_heads
+        h = torch.zeros(rows, 1, hq + 2 * hk, 1, dtype=torch.bfloat16, requires_grad=True)
+        x = h
+        for k in groups or self.groups:
+            qkv = self._s(modelled_rows * c.qkv_ms_per_token * k)
+            x = _Wait.apply(x, self.clock, qkv, 2 * qkv, "qkv")
+            q, key, value = x.split([hq, hk, hk], dim=2)
+            out = attend(q, key, value)
+            post = self._s(modelled_rows * c.post_ms_per_token * k)
+            out = _Wait.apply(out, self.clock, post, 2 * post, "proj + mlp").reshape(rows, 1, hq, 1)
+            x = torch.cat([out, out[:, :, :1].expand(rows, 1, 2 * hk, 1)], dim=2)
+        head = self._s(modelled_rows * c.head_ms_per_token)
+        loss = _Wait.apply(x, self.clock, head, 2 * head, "output layer").float().sum()
+        loss.backward()
