@@ -312,15 +312,7 @@ def add_hdp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def hdp_main(args) -> int:
-    if args.emulate:
-        from .bench_hdp_emulate import emulate_main
-
-        return emulate_main(args)
-    args.ranks = args.ranks or 64
-    if args.sweep:
-        from .bench_hdp_sweep import sweep_main
-
-        return sweep_main(args)
+    """One set of batches scheduled and scored (``cli/main.py`` sends ``--emulate`` and ``--sweep`` elsewhere)."""
     R, C = args.ranks, args.max_tokens_per_rank
     try:
         if C <= 0:

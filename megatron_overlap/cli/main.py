@@ -159,9 +159,7 @@ def main(argv=None) -> int:
 
         return cp_main(args)
     if args.command == "bench" and args.bench == "hdp":
-        from .bench_hdp import hdp_main
-
-        return hdp_main(args)
+        return _bench_hdp(args)
     if args.command == "bench" and args.bench == "attention":
         from .bench import attention_main
 
@@ -173,5 +171,22 @@ def main(argv=None) -> int:
     raise AssertionError(args)
 
 
+def _bench_hdp(args) -> int:
+    """``bench hdp``: the emulated cluster (``--emulate``), the sweep (``--sweep``) or one batch set."""
+    if args.emulate:
+        from .bench_hdp_emulate import emulate_main
+
+        return emulate_main(args)
+    args.ranks = args.ranks or 64
+    if args.sweep:
+        from .bench_hdp_sweep import sweep_main
+
+        return sweep_main(args)
+    from .bench_hdp import hdp_main
+
+    return hdp_main(args)
+
+
 if __name__ == "__main__":
     sys.exit(main())
+
