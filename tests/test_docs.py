@@ -91,7 +91,7 @@ def test_the_figure_check_catches_a_restated_figure(tmp_path, line, problem):
 
 def test_benchmarks_hold_current_figures_only_with_their_provenance():
     text = _text("BENCHMARKS.md")
-    assert len(text.splitlines()) <= 540  # 400 before the sections on TP without SP and long context (the lead trims at merge)
+    assert len(text.splitlines()) <= 400
     headings = re.findall(r"^#+ (.*)$", text, flags=re.M)
     assert not [h for h in headings if re.search(r"\b(pass|superseded|re-run|second|third)\b", h, re.I)]
     assert "superseded" not in text.lower()
