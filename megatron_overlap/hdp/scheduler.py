@@ -236,12 +236,14 @@ def _lpt(ids: Sequence[int], ms: Sequence[float], clock: List[float]) -> List[Li
 @gc_paused
 def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
                  cost: Optional[HdpCostModel] = None, mode: str = "dp", spread: bool = True,
-                 home: Optional[Sequence[int]] = None) -> Plan:
+                 home: Optional[Sequence[int]] = None, resize_first: bool = True) -> Plan:
     """The HDP plan of one full batch (module docstring). ``spread``: rings may take more ranks
     than they need where the step gets shorter (False: always the fewest, ``ceil(L / C)``);
     ``home``: per sequence, the rank that loaded it (sequences stay there where the step allows).
     The plan is built with and without each (``_build``) and the one with the shortest simulated
     step under ``cost`` kept, among equal steps the one that moves the fewest tokens.
+    ``resize_first``: where the best plan ends more than BOUND_SLACK above the lower bound, the
+    first ring's other sizes are tried too (below; ``bound_tradeoff.for_both``'s re-plans skip it).
     ``mode="pp"`` keeps the fewest ranks (the simulator does not see a pipeline's lockstep).
     Raises ``OverlapConfigError`` / ``ValueError`` on bad input (``check_batch``)."""
     from .simulate import simulate
@@ -253,7 +255,7 @@ def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
     cache: dict = {}  # peer times by (length, ring size, in one node), shared by the plans tried
     def consider(wide, first=None):
         nonlocal best, best_key
-        for homed in ((home, None) if home is not None else (None,)):
+        for homed in ((home, None) if home is not None and first is None else (home,)):
             plan = _build(lens, ranks, capacity_tokens, cost, mode, wide, homed, home, cache, first)
             step = simulate(plan, cost).step_ms
             key = (step, plan.moved_tokens(home) if home is not None else 0)
@@ -264,12 +266,13 @@ def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
 
     for wide in ((False, True) if spread and mode == "dp" else (False,)):
         consider(wide)
-    if spread and mode == "dp" and cache[("rings", True, None)][0]:
+    if resize_first and spread and mode == "dp" and cache[("rings", True, None)][0]:
         # rings sized one at a time, longest first: the first can take so many ranks that the next
         # long ones find too few free to end in time (each then waits for it, and the step runs
         # past the bound while other ranks idle). Its other sizes, from the fewest ranks that
         # hold it to the one it took (the rest sized as before), up to FIRST_SIZES of them
-        # evenly spaced, the shortest simulated step kept (more plans tried: never a longer step)
+        # evenly spaced, the shortest simulated step kept (more plans tried: never a longer step;
+        # placed by locality only, where ``home`` is given: half the planning time)
         from .simulate import lower_bound_ms
 
         bound = lower_bound_ms(lens, ranks, capacity_tokens, cost)
