@@ -27,6 +27,9 @@ one with the shortest estimated step kept, ``max(ring end, (work placed + the ri
 idle time + work still to place) / R)``: more ranks end the sequence sooner but cost ring
 traffic the attention does not hide, zigzag padding and the gaps its peers wait in. A short
 sequence whose work alone exceeds a balanced rank's share is tried the same way (from 1).
+Sized one at a time, a first dominant ring can take ranks the next long one needed to run
+beside it; where the plan ends more than BOUND_SLACK above the bound, up to FIRST_SIZES other
+sizes of the first ring are tried (the rest sized as above) and the shortest step kept.
 ``simulate.lower_bound_ms`` is what no plan can beat.
 
 Locality (``home``: per sequence, the rank whose data iterator loaded it): after step 1 the
@@ -253,6 +256,7 @@ def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
     home = check_home(home, len(lens), ranks)
     best, best_key = None, None
     cache: dict = {}  # peer times by (length, ring size, in one node), shared by the plans tried
+
     def consider(wide, first=None):
         nonlocal best, best_key
         for homed in ((home, None) if home is not None and first is None else (home,)):
