@@ -56,7 +56,7 @@ def for_both(ours: Plan, cost, scoring=None, mode: str = "dp", home: Optional[Se
     best, best_score, chosen = ours, worse(ours, l2), 1.0
     for speedup in LINEAR_SPEEDUPS:
         blend = dataclasses.replace(cost, gemm_fraction=cost.gemm_fraction * speedup)
-        plan = schedule_hdp(list(lens), R, C, blend, mode=mode, home=home)
+        plan = schedule_hdp(list(lens), R, C, blend, mode=mode, home=home, resize_first=False)
         score = worse(plan)
         if score < best_score:
             best, best_score, chosen = plan, score, speedup

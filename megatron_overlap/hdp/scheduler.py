@@ -27,6 +27,9 @@ one with the shortest estimated step kept, ``max(ring end, (work placed + the ri
 idle time + work still to place) / R)``: more ranks end the sequence sooner but cost ring
 traffic the attention does not hide, zigzag padding and the gaps its peers wait in. A short
 sequence whose work alone exceeds a balanced rank's share is tried the same way (from 1).
+Sized one at a time, a first dominant ring can take ranks the next long one needed to run
+beside it; where the plan ends more than BOUND_SLACK above the bound, up to FIRST_SIZES other
+sizes of the first ring are tried (the rest sized as above) and the shortest step kept.
 ``simulate.lower_bound_ms`` is what no plan can beat.
 
 Locality (``home``: per sequence, the rank whose data iterator loaded it): after step 1 the
@@ -100,6 +103,8 @@ from .simulate import options_many, sequence_options
 from .ring_sizes import spread_choice
 
 MODES = ("dp", "pp")
+FIRST_SIZES = 8  # at most this many sizes of the first ring tried again (schedule_hdp)
+BOUND_SLACK = 0.01  # a plan this close to the lower bound is not searched further
 CAPACITY_FIELD = "hdp.max_tokens"  # the config field errors about C name
 
 
@@ -148,12 +153,14 @@ class _Ring:
 
 
 def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequence[int], R: int, C: int,
-                 cost: HdpCostModel, spread: bool, cache: Optional[dict] = None):
+                 cost: HdpCostModel, spread: bool, cache: Optional[dict] = None,
+                 first: Optional[Tuple[int, int]] = None):
     """Step 1: rings, costliest first, each sized by ``sizes.spread_choice`` and placed where it ends
     earliest. ``ring_ids``: the sequences longer than C, and with ``spread`` the short ones whose
     work alone exceeds a balanced rank's (one that stays on one rank goes back to the short
-    sequences). Returns (rings, clock, gaps, ids back to short) with gaps[(rank, ring index)] =
-    idle time before that ring on that rank."""
+    sequences). ``first``: (sequence id, ring size) of one ring whose size is given (the others
+    sized as above). Returns (rings, clock, gaps, ids back to short) with
+    gaps[(rank, ring index)] = idle time before that ring on that rank."""
     clock = [0.0] * R
     rings: List[_Ring] = []
     gaps: Dict[Tuple[int, int], float] = {}
@@ -176,7 +183,10 @@ def _place_rings(lens: Sequence[int], ring_ids: Sequence[int], short_ids: Sequen
     back = []
     for i in ring_ids:
         rest -= area[i]
-        n, ring, start, end = spread_choice(lens[i], low[i], clock, cost, rest, spread, cache)
+        if first is not None and i == first[0]:
+            n, ring, start, end = spread_choice(lens[i], first[1], clock, cost, rest, False, cache)
+        else:
+            n, ring, start, end = spread_choice(lens[i], low[i], clock, cost, rest, spread, cache)
         if n == 1:
             back.append(i)
             rest += ms[i]
@@ -229,12 +239,14 @@ def _lpt(ids: Sequence[int], ms: Sequence[float], clock: List[float]) -> List[Li
 @gc_paused
 def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
                  cost: Optional[HdpCostModel] = None, mode: str = "dp", spread: bool = True,
-                 home: Optional[Sequence[int]] = None) -> Plan:
+                 home: Optional[Sequence[int]] = None, resize_first: bool = True) -> Plan:
     """The HDP plan of one full batch (module docstring). ``spread``: rings may take more ranks
     than they need where the step gets shorter (False: always the fewest, ``ceil(L / C)``);
     ``home``: per sequence, the rank that loaded it (sequences stay there where the step allows).
     The plan is built with and without each (``_build``) and the one with the shortest simulated
     step under ``cost`` kept, among equal steps the one that moves the fewest tokens.
+    ``resize_first``: where the best plan ends more than BOUND_SLACK above the lower bound, the
+    first ring's other sizes are tried too (below; ``bound_tradeoff.for_both``'s re-plans skip it).
     ``mode="pp"`` keeps the fewest ranks (the simulator does not see a pipeline's lockstep).
     Raises ``OverlapConfigError`` / ``ValueError`` on bad input (``check_batch``)."""
     from .simulate import simulate
@@ -244,26 +256,50 @@ def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
     home = check_home(home, len(lens), ranks)
     best, best_key = None, None
     cache: dict = {}  # peer times by (length, ring size, in one node), shared by the plans tried
-    for wide in ((False, True) if spread and mode == "dp" else (False,)):
-        for homed in ((home, None) if home is not None else (None,)):
-            plan = _build(lens, ranks, capacity_tokens, cost, mode, wide, homed, home, cache)
+
+    def consider(wide, first=None):
+        nonlocal best, best_key
+        for homed in ((home, None) if home is not None and first is None else (home,)):
+            plan = _build(lens, ranks, capacity_tokens, cost, mode, wide, homed, home, cache, first)
             step = simulate(plan, cost).step_ms
             key = (step, plan.moved_tokens(home) if home is not None else 0)
             # the shortest step; among steps equal within 1e-9, the fewest tokens moved
             if best is None or key[0] < best_key[0] * (1 - 1e-9) or (
                     key[0] <= best_key[0] * (1 + 1e-9) and key[1] < best_key[1]):
                 best, best_key = plan, key
+
+    for wide in ((False, True) if spread and mode == "dp" else (False,)):
+        consider(wide)
+    if resize_first and spread and mode == "dp" and cache[("rings", True, None)][0]:
+        # rings sized one at a time, longest first: the first can take so many ranks that the next
+        # long ones find too few free to end in time (each then waits for it, and the step runs
+        # past the bound while other ranks idle). Its other sizes, from the fewest ranks that
+        # hold it to the one it took (the rest sized as before), up to FIRST_SIZES of them
+        # evenly spaced, the shortest simulated step kept (more plans tried: never a longer step;
+        # placed by locality only, where ``home`` is given: half the planning time)
+        from .simulate import lower_bound_ms
+
+        bound = lower_bound_ms(lens, ranks, capacity_tokens, cost)
+        top = cache[("rings", True, None)][0][0]
+        low = ranks_needed(top.seq_len, capacity_tokens) if top.seq_len > capacity_tokens else 2
+        high = len(top.ring) - 1
+        count = min(FIRST_SIZES, high - low + 1)
+        sizes = sorted({low + (high - low) * k // max(1, count - 1) for k in range(count)}) if count > 0 else []
+        for n in sizes:
+            if best_key[0] <= bound * (1 + BOUND_SLACK):
+                break
+            consider(True, (top.seq_id, n))
     return best
 
 
 def _build(lens, R: int, C: int, cost: HdpCostModel, mode: str, spread: bool, home, loaded,
-           cache: Optional[dict] = None) -> Plan:
+           cache: Optional[dict] = None, first: Optional[Tuple[int, int]] = None) -> Plan:
     """One plan; ``home``: placement by locality (or None), ``loaded``: the loading ranks the
-    notes count moved tokens against."""
+    notes count moved tokens against; ``first``: (sequence id, ring size) given (``_place_rings``)."""
     cache = {} if cache is None else cache
-    key = ("rings", spread)  # steps 1 and the order of step 2 do not depend on home: the plans share them
+    key = ("rings", spread, first)  # steps 1 and the order of step 2 do not depend on home: the plans share them
     if key not in cache:
-        cache[key] = _rings_of(lens, R, C, cost, spread, cache)
+        cache[key] = _rings_of(lens, R, C, cost, spread, cache, first)
     rings, clock, gaps, short_ids = cache[key]
     ms = _local_table(lens, cost, cache)
     if home is not None:
@@ -288,7 +324,8 @@ def _local_table(lens, cost: HdpCostModel, cache: dict) -> List[float]:
     return cache["local"]
 
 
-def _rings_of(lens, R: int, C: int, cost: HdpCostModel, spread: bool, cache: dict):
+def _rings_of(lens, R: int, C: int, cost: HdpCostModel, spread: bool, cache: dict,
+              first: Optional[Tuple[int, int]] = None):
     """Step 1 (``_place_rings``) on the batch's sequences, longest first: (rings, clock, gaps,
     the short sequences, longest first, those a ring did not keep included)."""
     by_length = cache.get("by_length")
@@ -303,7 +340,7 @@ def _rings_of(lens, R: int, C: int, cost: HdpCostModel, spread: bool, cache: dic
     ring_ids = [i for i in by_length if lens[i] > C or (spread and ms[i] > share)]
     chosen = set(ring_ids)
     short_ids = [i for i in short_ids if i not in chosen]
-    rings, clock, gaps, back = _place_rings(lens, ring_ids, short_ids, R, C, cost, spread, cache)
+    rings, clock, gaps, back = _place_rings(lens, ring_ids, short_ids, R, C, cost, spread, cache, first)
     if back:
         rank = {i: k for k, i in enumerate(by_length)}
         short_ids = sorted(short_ids + back, key=rank.__getitem__)
