@@ -82,7 +82,7 @@ def plan_pp(name: str, seq_lens, dp: int, capacity: int, cost, home=None):
     return Planner(name, dp, capacity, "pp", cost)(list(seq_lens), home)
 
 
-def _mb_costs(plan, cost, costs, pp: int, hidden: int, link) -> tuple:
+def _mb_costs(plan, cost, costs, pp: int, hidden: int) -> tuple:
     """Per DP rank and slot (padded to M): (F ms, B ms) of a middle stage, the output layer's
     (F, B) extra on the last, the ring (or None), the activation's modelled bytes."""
     M = max(len(m) for m in plan.microbatches)
@@ -112,7 +112,7 @@ def simulate_pp(plan, cost, link, pp: int) -> float:
     from ..pp.schedule import B, F, one_f_one_b_order
 
     costs = LayerCosts.of(cost)
-    items, M = _mb_costs(plan, cost, costs, pp, cost.hidden, link)
+    items, M = _mb_costs(plan, cost, costs, pp, cost.hidden)
     D = plan.ranks
 
     def p2p_ms(s: int, d: int, nbytes: float) -> float:  # stage s to s+1 of pipeline d
