@@ -52,6 +52,9 @@ def add_emulate_args(parser) -> None:
     g.add_argument("--schedulers", default=",".join(SCHEDULERS),
                    help=f"comma-separated, of {', '.join(SCHEDULERS)}")
     g.add_argument("--no-exposed", action="store_true", help="skip the free-link repeat (no exposed column)")
+    g.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages: --ranks = PP x DP, HDP's pipeline mode over each stage's DP group, 1F1B "
+                   "(schedulers hdp, static; default 1: no pipeline)")
 
 
 def gathered_order(lens, ranks: int):

@@ -173,6 +173,12 @@ def main(argv=None) -> int:
 
 def _bench_hdp(args) -> int:
     """``bench hdp``: the emulated cluster (``--emulate``), the sweep (``--sweep``) or one batch set."""
+    if args.pp != 1 and not args.emulate:
+        raise SystemExit("megatron-overlap bench hdp: --pp runs HDP's pipeline mode on the emulated cluster: add --emulate")
+    if args.emulate and args.pp != 1:
+        from .bench_hdp_pipeline import pipeline_main
+
+        return pipeline_main(args)
     if args.emulate:
         from .bench_hdp_emulate import emulate_main
 

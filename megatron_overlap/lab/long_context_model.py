@@ -50,6 +50,13 @@ class EmulatedTransformer:
         """Forward and backward of every group (``groups``: layers per group, default the
         model's) on ``rows`` emulated rows standing for ``modelled_rows`` tokens (padding
         included)."""
+        self.forward(rows, modelled_rows, attend, groups).backward()
+
+    def forward(self, rows: int, modelled_rows: float, attend: Callable, groups: Sequence[int] = (),
+                head: bool = True) -> torch.Tensor:
+        """The forward of every group (a pipeline stage: its layers), then, with ``head``, the
+        output layer: a scalar whose ``backward()`` runs the backward; without, the last group's
+        output (``out.backward(torch.ones_like(out))`` runs it)."""
         c, hq, hk = self.costs, self.heads, self.kv_heads
         h = torch.zeros(rows, 1, hq + 2 * hk, 1, dtype=torch.bfloat16, requires_grad=True)
         x = h
@@ -61,6 +68,7 @@ class EmulatedTransformer:
             post = self._s(modelled_rows * c.post_ms_per_token * k)
             out = _Wait.apply(out, self.clock, post, 2 * post, "proj + mlp").reshape(rows, 1, hq, 1)
             x = torch.cat([out, out[:, :, :1].expand(rows, 1, 2 * hk, 1)], dim=2)
-        head = self._s(modelled_rows * c.head_ms_per_token)
-        loss = _Wait.apply(x, self.clock, head, 2 * head, "output layer").float().sum()
-        loss.backward()
+        if not head:
+            return x
+        ms = self._s(modelled_rows * c.head_ms_per_token)
+        return _Wait.apply(x, self.clock, ms, 2 * ms, "output layer").float().sum()
