@@ -20,7 +20,7 @@ product code may not. Tests, the demo and the benchmarks use it; the plugin itse
                        or modelled durations, virtual pipelines on it
     demo.py, demo_plan.py, mlp_bench.py, layer_bench.py, attention_bench.py, pp_bench.py, hdp_demo.py
                        the rank side of ``megatron-overlap demo`` and ``bench`` (drivers in ``cli/``)
-    cp_cluster.py, hdp_cluster.py, long_context_model.py, emulated_attention.py
+    cp_cluster.py, hdp_cluster.py, hdp_pp_cluster.py, long_context_model.py, emulated_attention.py
                        the long-context lab: CP and HDP on the emulated cluster, the product's
-                       attention and HDP runtime with blocks and linears as waits
+                       attention and HDP runtime (also under a 1F1B pipeline) with blocks and linears as waits
 """
