@@ -86,11 +86,8 @@ class CPClusterRanks:
     def __init__(self, cfg):
         cfg = CPLabConfig(**cfg) if isinstance(cfg, dict) else cfg
         from ..cp.step_model import LayerCosts, groups_of
-        from .compute_clock import ComputeClock
         from .emulated_attention import TimedBlocks
-        from .emulated_link import EmulatedLink
-        from .link_spec import LinkSpec
-        from .long_context_model import EmulatedTransformer
+        from .long_context_model import EmulatedTransformer, emulated_two_tier
 
         torch.set_num_threads(1)
         logging.getLogger("megatron_overlap").setLevel(logging.ERROR)
@@ -105,12 +102,8 @@ class CPClusterRanks:
         per_group = groups[0]
         tf = cfg.time_factor
         self.byte_factor = 1.0 / (self.costs.head_dim * cfg.row_unit)
-        self.spec = LinkSpec.two_tier(link, self.byte_factor / (per_group * tf), per_group * tf)
-        self.spec.check_world(cfg.ranks)
-        self.free_spec = LinkSpec(bandwidth_GBps=1e9, latency_us=0.0, ports="group")
-        self.clock = ComputeClock()
-        self.link = EmulatedLink(self.spec).install()
-        self.link.clock = self.clock
+        self.spec, self.free_spec, self.clock, self.link = emulated_two_tier(link, self.byte_factor, per_group, tf,
+                                                                             cfg.ranks)
         self.blocks = TimedBlocks(self.clock, self.costs.pair_ms * tf, self.costs.bwd_factor, self.costs.heads,
                                   cfg.row_unit)
         self.blocks.layers = per_group

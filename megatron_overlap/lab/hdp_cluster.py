@@ -114,12 +114,8 @@ class HDPClusterRanks:
     def __init__(self, cfg):
         cfg = HDPLabConfig(**cfg) if isinstance(cfg, dict) else cfg
         from ..cp.step_model import LayerCosts, groups_of
-        from ..hdp.samples import Sample
-        from .compute_clock import ComputeClock
         from .emulated_attention import TimedBlocks
-        from .emulated_link import EmulatedLink
-        from .link_spec import LinkSpec
-        from .long_context_model import EmulatedTransformer
+        from .long_context_model import EmulatedTransformer, emulated_two_tier, rank_samples
 
         torch.set_num_threads(1)
         logging.getLogger("megatron_overlap").setLevel(logging.ERROR)
@@ -136,24 +132,12 @@ class HDPClusterRanks:
         per_group = self.ring_groups[0]
         tf = cfg.time_factor
         self.byte_factor = 1.0 / (costs.kv_heads * costs.head_dim)
-        self.spec = LinkSpec.two_tier(link, self.byte_factor / (per_group * tf), per_group * tf)
-        self.spec.check_world(cfg.ranks)
-        self.free_spec = LinkSpec(bandwidth_GBps=1e9, latency_us=0.0, ports="group")
-        self.clock = ComputeClock()
-        self.link = EmulatedLink(self.spec).install()
-        self.link.clock = self.clock
+        self.spec, self.free_spec, self.clock, self.link = emulated_two_tier(link, self.byte_factor, per_group, tf,
+                                                                             cfg.ranks)
         self.blocks = TimedBlocks(self.clock, costs.pair_ms * tf, costs.bwd_factor, heads=1)
         self.model = EmulatedTransformer(costs, self.clock, self.ring_groups, tf, heads=1, kv_heads=1)
         self.per_group = per_group
-        gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.rank)
-        self.samples = []  # per batch, this rank's samples (sequence i loaded by rank i mod R)
-        for lens in cfg.batches:
-            mine = []
-            for i, L in enumerate(lens):
-                if i % cfg.ranks == self.rank:
-                    tokens = torch.randint(0, 1000, (L + 1,), generator=gen)
-                    mine.append(Sample(tokens[:-1], tokens[1:], torch.ones(L)))
-            self.samples.append(mine)
+        self.samples = rank_samples(cfg.batches, cfg.seed, self.rank, cfg.ranks)  # sequence i loaded by rank i mod R
         from ..hdp.runtime import HdpRuntime
 
         self.runtime = HdpRuntime(cfg.capacity, dist.group.WORLD, LabAdapter(), cost=self.cost, device="cpu")

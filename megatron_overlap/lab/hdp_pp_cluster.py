@@ -177,12 +177,8 @@ class HDPPipeRanks:
             cfg = HDPPipeConfig(lab=HDPLabConfig(**cfg["lab"]), pp=cfg["pp"])
         from ..cp.step_model import LayerCosts, groups_of
         from ..hdp.runtime import HdpRuntime
-        from ..hdp.samples import Sample
-        from .compute_clock import ComputeClock
         from .emulated_attention import TimedBlocks
-        from .emulated_link import EmulatedLink
-        from .link_spec import LinkSpec
-        from .long_context_model import EmulatedTransformer
+        from .long_context_model import EmulatedTransformer, emulated_two_tier, rank_samples
 
         torch.set_num_threads(1)
         logging.getLogger("megatron_overlap").setLevel(logging.ERROR)
@@ -206,23 +202,11 @@ class HDPPipeRanks:
         tf = lab.time_factor
         self.byte_factor = 1.0 / (costs.kv_heads * costs.head_dim)
         self.act_numel = self.cost.hidden * self.byte_factor / per_group  # bf16 elements per row (2 bytes each)
-        self.spec = LinkSpec.two_tier(link, self.byte_factor / (per_group * tf), per_group * tf)
-        self.spec.check_world(cfg.world)
-        self.free_spec = LinkSpec(bandwidth_GBps=1e9, latency_us=0.0, ports="group")
-        self.clock = ComputeClock()
-        self.link = EmulatedLink(self.spec).install()
-        self.link.clock = self.clock
+        self.spec, self.free_spec, self.clock, self.link = emulated_two_tier(link, self.byte_factor, per_group, tf,
+                                                                             cfg.world)
         self.blocks = TimedBlocks(self.clock, costs.pair_ms * tf, costs.bwd_factor, heads=1)
         self.model = EmulatedTransformer(costs, self.clock, self.ring_groups, tf, heads=1, kv_heads=1)
-        gen = torch.Generator().manual_seed(lab.seed * 7919 + self.d)  # every stage of pipeline d: the same samples
-        self.samples = []
-        for lens in lab.batches:
-            mine = []
-            for i, L in enumerate(lens):
-                if i % D == self.d:
-                    tokens = torch.randint(0, 1000, (L + 1,), generator=gen)
-                    mine.append(Sample(tokens[:-1], tokens[1:], torch.ones(L)))
-            self.samples.append(mine)
+        self.samples = rank_samples(lab.batches, lab.seed, self.d, D)  # every stage of pipeline d: the same samples
         self.runtime = HdpRuntime(lab.capacity, self.group, LabAdapter(), mode="pp", cost=self.cost, device="cpu")
         gc.collect()
         gc.freeze()

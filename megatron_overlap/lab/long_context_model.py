@@ -72,3 +72,38 @@ class EmulatedTransformer:
             return x
         ms = self._s(modelled_rows * c.head_ms_per_token)
         return _Wait.apply(x, self.clock, ms, 2 * ms, "output layer").float().sum()
+
+
+def emulated_two_tier(link, byte_factor: float, per_group: int, time_factor: float, world: int):
+    """The long-context lab's link on this rank: the two-tier emulated link (bytes scaled by
+    ``byte_factor``, times by the layer group and the lab's time factor) installed with a compute
+    clock, and a free link to swap in for the exposed-communication runs. Returns
+    ``(spec, free_spec, clock, link)``."""
+    from .compute_clock import ComputeClock
+    from .emulated_link import EmulatedLink
+    from .link_spec import LinkSpec
+
+    spec = LinkSpec.two_tier(link, byte_factor / (per_group * time_factor), per_group * time_factor)
+    spec.check_world(world)
+    free = LinkSpec(bandwidth_GBps=1e9, latency_us=0.0, ports="group")
+    clock = ComputeClock()
+    emulated = EmulatedLink(spec).install()
+    emulated.clock = clock
+    return spec, free, clock, emulated
+
+
+def rank_samples(batches: Sequence[Sequence[int]], seed: int, index: int, count: int) -> list:
+    """Per batch, the samples loader ``index`` of ``count`` holds (sequence i by loader i mod
+    count): random tokens from a generator seeded by ``seed`` and ``index``, all-ones loss masks."""
+    from ..hdp.samples import Sample
+
+    gen = torch.Generator().manual_seed(seed * 7919 + index)
+    out = []
+    for lens in batches:
+        mine = []
+        for i, L in enumerate(lens):
+            if i % count == index:
+                tokens = torch.randint(0, 1000, (L + 1,), generator=gen)
+                mine.append(Sample(tokens[:-1], tokens[1:], torch.ones(L)))
+        out.append(mine)
+    return out
