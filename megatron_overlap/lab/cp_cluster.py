@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..hdp.collector_pause import collector_paused
+from .long_context_model import EmulatedRanks
 
 REPLAY = "replay"
 
@@ -80,7 +81,7 @@ def variant_name(variant) -> str:
     return "a2a (Ulysses)" if mode == "a2a" else f"hybrid U={size}"
 
 
-class CPClusterRanks:
+class CPClusterRanks(EmulatedRanks):
     """Per-rank state of one run (through ``lab.session``)."""
 
     def __init__(self, cfg):
@@ -154,8 +155,3 @@ class CPClusterRanks:
         if index % 2:
             order.reverse()
         return {variant_name(v) if v != REPLAY else REPLAY: self._step(v) for v in order}
-
-    def close(self) -> dict:
-        self.link.uninstall()
-        gc.unfreeze()
-        return {}

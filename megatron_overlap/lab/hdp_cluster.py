@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..hdp.collector_pause import collector_paused
+from .long_context_model import EmulatedRanks
 
 SCHEDULERS = ("hdp", "static", "megatron_balanced")
 VARIANTS = ("link", "free")
@@ -108,7 +109,7 @@ class LabAdapter:
                                cu_seqlens_kv_padded=layout.cu_seqlens_padded)
 
 
-class HDPClusterRanks:
+class HDPClusterRanks(EmulatedRanks):
     """Per-rank state of one run (through ``lab.session``)."""
 
     def __init__(self, cfg):
@@ -247,11 +248,4 @@ class HDPClusterRanks:
 
     def round(self, index: int) -> dict:
         """Batch ``index``: every scheduler once, the order rotating with the batch."""
-        names = list(self.cfg.schedulers)
-        k = index % len(names)
-        return {name: self.step(index, name) for name in names[k:] + names[:k]}
-
-    def close(self) -> dict:
-        self.link.uninstall()
-        gc.unfreeze()
-        return {}
+        return {name: self.step(index, name) for name in self.rotated(self.cfg.schedulers, index)}

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..hdp.collector_pause import collector_paused
+from .long_context_model import EmulatedRanks
 from .hdp_cluster import HDPLabConfig, LabAdapter, cost_and_link
 
 PP_SCHEDULERS = ("hdp", "static")
@@ -169,7 +170,7 @@ def simulate_pp(plan, cost, link, pp: int) -> float:
     return max(free.values())
 
 
-class HDPPipeRanks:
+class HDPPipeRanks(EmulatedRanks):
     """Per-rank state of one run (through ``lab.session``)."""
 
     def __init__(self, cfg):
@@ -285,14 +286,7 @@ class HDPPipeRanks:
         return {"link": self._run(mbs)}
 
     def round(self, index: int) -> dict:
-        names = list(self.lab.schedulers)
-        k = index % len(names)
-        return {name: self.step(index, name) for name in names[k:] + names[:k]}
-
-    def close(self) -> dict:
-        self.link.uninstall()
-        gc.unfreeze()
-        return {}
+        return {name: self.step(index, name) for name in self.rotated(self.lab.schedulers, index)}
 
 
 def config_dict(cfg: HDPPipeConfig) -> dict:

@@ -107,3 +107,23 @@ def rank_samples(batches: Sequence[Sequence[int]], seed: int, index: int, count:
                 mine.append(Sample(tokens[:-1], tokens[1:], torch.ones(L)))
         out.append(mine)
     return out
+
+
+class EmulatedRanks:
+    """What the long-context lab's rank classes share: a round runs each name once, the order
+    rotating with the round (``rotated``); closing uninstalls the emulated link and unfreezes the
+    collector (their constructors install and freeze)."""
+
+    link = None
+
+    @staticmethod
+    def rotated(names: Sequence[str], index: int) -> list:
+        k = index % len(names)
+        return list(names[k:]) + list(names[:k])
+
+    def close(self) -> dict:
+        import gc
+
+        self.link.uninstall()
+        gc.unfreeze()
+        return {}
