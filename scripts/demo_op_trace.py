@@ -8,7 +8,8 @@ otherwise, 5 steps), stock and ours alternating, and records per rank and step: 
 ``torch.matmul`` of the main thread, every transfer on the emulated link and every wait, the
 main thread's CPU time and its run-queue wait (``/proc/self/task/<tid>/schedstat``: runnable,
 not running). Prints, per rank, the medians after 2 warm-up steps: step, CPU, run-queue wait,
-exposed communication split into forward and backward (and the embedding's two collectives), stock's step, CPU and run-queue wait
+exposed communication split into forward and backward (and the embedding's two collectives), the link's busy
+and idle time in each, stock's step, CPU and run-queue wait
 (BENCHMARKS.md, the CPU demo). Hold the machine alone (``flock -x``).
 """
 
@@ -65,6 +66,21 @@ class TracedRanks(DemoRanks):
         return out
 
 
+def link_phases(r, fwd_end: float) -> dict:
+    """The emulated link's busy and idle time (the union of its transfers) before and after the
+    forward's end: where the link idles, no schedule of the same transfers gains from overlap."""
+    busy = []
+    for start, done in sorted((s, d) for _op, _n, _i, s, d in r["spans"]):
+        if busy and start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], done)
+        else:
+            busy.append([start, done])
+    fwd = sum(min(d, fwd_end) - s for s, d in busy if s < fwd_end)
+    bwd = sum(d - max(s, fwd_end) for s, d in busy if d > fwd_end)
+    return {"link_busy_fwd": fwd, "link_idle_fwd": fwd_end - fwd,
+            "link_busy_bwd": bwd, "link_idle_bwd": r["wall"] - fwd_end - bwd}
+
+
 def summary(rows, warmup: int = 2) -> list:
     """Per rank, medians over the timed steps (ms)."""
     out = []
@@ -74,14 +90,16 @@ def summary(rows, warmup: int = 2) -> list:
             r, s = step[rank]["overlap"], step[rank]["baseline"]
             loss_ar = [a for a, _b, op in r["waits"] if op == "all_reduce"]  # the loss: forward ends
             fwd_end = loss_ar[0] if loss_ar else 0.0
-            values = {"step": r["wall"], "cpu": r["cpu"], "runq": r["runq"], "exposed": r["blocked"],
+            stock_ar = [a for a, _b, op in s["waits"] if op == "all_reduce"]
+            values = {"step": r["wall"], "fwd": fwd_end, "stock_fwd": stock_ar[0] if stock_ar else 0.0, "cpu": r["cpu"], "runq": r["runq"], "exposed": r["blocked"],
                       "exposed_fwd": sum(b - a for a, b, _op in r["waits"] if b <= fwd_end),
                       "exposed_bwd": sum(b - a for a, b, _op in r["waits"] if a > fwd_end),
                       # the embedding's reduce-scatter (the first wait) and grad all-gather (at the end)
                       "embedding_rs": next((b - a for a, b, op in r["waits"][:1] if op.startswith("reduce_scatter")), 0.0),
                       "embedding_ag": max((b - a for a, b, op in r["waits"][-4:] if op.startswith("all_gather_into")),
                                           default=0.0),
-                      "stock_step": s["wall"], "stock_cpu": s["cpu"], "stock_runq": s["runq"]}
+                      "stock_step": s["wall"], "stock_cpu": s["cpu"], "stock_runq": s["runq"],
+                      **link_phases(r, fwd_end)}
             for key, value in values.items():
                 got.setdefault(key, []).append(1e3 * value)
         out.append({key: round(statistics.median(v), 1) for key, v in got.items()})
