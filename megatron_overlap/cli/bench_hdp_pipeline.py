@@ -28,7 +28,7 @@ def simulated(cfg) -> list:
         glens, home = gathered_order(list(lens), cfg.dp)
         row = {}
         for name in cfg.lab.schedulers:
-            plan = plan_pp(name, glens, cfg.dp, cfg.lab.capacity, cost, home)
+            plan = plan_pp(name, glens, cfg.dp, cfg.lab.capacity, cost, home, cfg.pp)
             plan.validate()
             row[name] = {"step_ms": simulate_pp(plan, cost, link, cfg.pp),
                          "microbatches": max(len(m) for m in plan.microbatches)}

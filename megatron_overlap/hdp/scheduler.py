@@ -239,7 +239,8 @@ def _lpt(ids: Sequence[int], ms: Sequence[float], clock: List[float]) -> List[Li
 @gc_paused
 def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
                  cost: Optional[HdpCostModel] = None, mode: str = "dp", spread: bool = True,
-                 home: Optional[Sequence[int]] = None, resize_first: bool = True) -> Plan:
+                 home: Optional[Sequence[int]] = None, resize_first: bool = True,
+                 stages: Optional[int] = None) -> Plan:
     """The HDP plan of one full batch (module docstring). ``spread``: rings may take more ranks
     than they need where the step gets shorter (False: always the fewest, ``ceil(L / C)``);
     ``home``: per sequence, the rank that loaded it (sequences stay there where the step allows).
@@ -247,13 +248,16 @@ def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
     step under ``cost`` kept, among equal steps the one that moves the fewest tokens.
     ``resize_first``: where the best plan ends more than BOUND_SLACK above the lower bound, the
     first ring's other sizes are tried too (below; ``bound_tradeoff.for_both``'s re-plans skip it).
-    ``mode="pp"`` keeps the fewest ranks (the simulator does not see a pipeline's lockstep).
+    ``mode="pp"``: the plans of ``_pipeline_plan`` scored by the 1F1B timeline of ``stages``
+    pipeline stages (``pp_timeline``; default ``pp_timeline.DEFAULT_STAGES``).
     Raises ``OverlapConfigError`` / ``ValueError`` on bad input (``check_batch``)."""
     from .simulate import simulate
 
     lens = check_batch(seq_lens, ranks, capacity_tokens, mode)
     cost = cost or HdpCostModel()
     home = check_home(home, len(lens), ranks)
+    if mode == "pp":
+        return _pipeline_plan(lens, ranks, capacity_tokens, cost, home, stages)
     best, best_key = None, None
     cache: dict = {}  # peer times by (length, ring size, in one node), shared by the plans tried
 
@@ -290,6 +294,36 @@ def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
                 break
             consider(True, (top.seq_id, n))
     return best
+
+
+def _pipeline_plan(lens, R: int, C: int, cost: HdpCostModel, home, stages: Optional[int]) -> Plan:
+    """Mode ``pp`` (module docstring): the list-scheduled plan (``_build``), the slot-balanced ones
+    (``slot_balance.candidates``) and static CP's own, the shortest 1F1B step kept (the first
+    among equal steps): never a longer pipeline step than static CP's, under the same model."""
+    import dataclasses
+
+    from .pp_timeline import DEFAULT_STAGES, check_stages, pipeline_step_ms, static_pp_candidates
+    from .slot_balance import candidates
+
+    P = DEFAULT_STAGES if stages is None else check_stages(stages)
+    cache: dict = {}
+    ms = _local_table(lens, cost, cache)
+    best, best_ms, tried = None, None, 0
+
+    def consider(plan):
+        nonlocal best, best_ms, tried
+        tried += 1
+        t = pipeline_step_ms(plan, cost, P)
+        if best is None or t < best_ms * (1 - 1e-9):
+            best, best_ms = plan, t
+
+    consider(_build(lens, R, C, cost, "pp", False, home, home, cache))
+    for plan in candidates(lens, R, C, cost, ms):
+        consider(plan)
+    for plan in static_pp_candidates(lens, R, C, cost):
+        consider(plan)
+    note = f"1F1B step {best_ms:.1f} ms at {P} stages, the shortest of {tried} plans (hdp/pp_timeline.py)"
+    return dataclasses.replace(best, notes=tuple(best.notes) + (note,))
 
 
 def _build(lens, R: int, C: int, cost: HdpCostModel, mode: str, spread: bool, home, loaded,

@@ -78,10 +78,11 @@ def check_pp(ranks: int, pp: int, layers: int, layer_groups: int) -> int:
     return ranks // pp
 
 
-def plan_pp(name: str, seq_lens, dp: int, capacity: int, cost, home=None):
+def plan_pp(name: str, seq_lens, dp: int, capacity: int, cost, home=None, pp: int = None):
+    """``name``'s plan of one stage's group; HDP's planned for a 1F1B pipeline of ``pp`` stages."""
     from ..hdp.planahead import Planner
 
-    return Planner(name, dp, capacity, "pp", cost)(list(seq_lens), home)
+    return Planner(name, dp, capacity, "pp", cost, stages=pp)(list(seq_lens), home)
 
 
 def _mb_costs(plan, cost, costs, pp: int, hidden: int) -> tuple:
@@ -220,7 +221,8 @@ class HDPPipeRanks(EmulatedRanks):
         try:
             samples = self.samples[batch]
             gathered = self.runtime.gather(samples)
-            plan = plan_pp(scheduler, gathered.seq_lens, self.cfg.dp, self.lab.capacity, self.cost, gathered.home)
+            plan = plan_pp(scheduler, gathered.seq_lens, self.cfg.dp, self.lab.capacity, self.cost, gathered.home,
+                           self.cfg.pp)
             step = self.runtime.load(samples, gathered, plan)
         finally:
             self.link.spec = self.spec
