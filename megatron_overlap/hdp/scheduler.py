@@ -69,7 +69,11 @@ Algorithm, ``mode="dp"`` (balance each rank's work per step; list scheduling, lo
 
     Ranks with lighter rings take more short sequences, hence more micro-batches.
 
-``mode="pp"`` (sequences of similar length travel through the pipeline together): steps 1 and 2
+``mode="pp"`` (a 1F1B pipeline: every rank the same slot count, each slot costing its largest
+cell): the plan below, the slot-balanced plans (``slot_balance``) and static CP's own, each
+priced by ``pp_timeline.pipeline_step_ms`` for the pipeline's stages, the shortest kept
+(``_pipeline_plan``; ``spread`` and the first ring's resizing are not used). The plan below
+(sequences of similar length travel through the pipeline together): steps 1 and 2
 without the gaps (a pipeline runs its micro-batches in order, so work put before a ring delays
 the pipeline instead of filling a wait). Every rank runs its rings first (the longest sequences),
 then its short sequences sorted longest first and packed next-fit, so a micro-batch holds
@@ -92,7 +96,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..errors import OverlapConfigError
+from .batch_input import CAPACITY_FIELD, MODES, check_batch  # noqa: F401  (re-exported: callers read them here)
 from .cost import HdpCostModel, local_ms, ring_ms  # noqa: F401  (ring_ms: re-exported, the tests read it here)
 from .collector_pause import gc_paused
 from .locality import check_home, home_first, relabel_rings
@@ -102,45 +106,8 @@ from .shard import Shard, ranks_needed
 from .simulate import options_many, sequence_options
 from .ring_sizes import spread_choice
 
-MODES = ("dp", "pp")
 FIRST_SIZES = 8  # at most this many sizes of the first ring tried again (schedule_hdp)
 BOUND_SLACK = 0.01  # a plan this close to the lower bound is not searched further
-CAPACITY_FIELD = "hdp.max_tokens"  # the config field errors about C name
-
-
-def check_batch(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, mode: Optional[str] = None
-                ) -> Tuple[int, ...]:
-    """The lengths as a tuple of ints, or a clear error: no ranks, C <= 0, an empty batch, a
-    non-positive length, a sequence no ring of the R ranks can hold, an unknown mode."""
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"unknown HDP balance mode {mode!r}: use 'dp' (balance every rank's work per "
-                         f"step) or 'pp' (also keep similar lengths at the same micro-batch index, for "
-                         f"pipeline parallelism)")
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks (DP x CP) must be a positive integer, got {ranks!r}")
-    if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens <= 0:
-        raise OverlapConfigError(CAPACITY_FIELD, f"must be a positive number of tokens, got {capacity_tokens!r}; "
-                                 f"set it to the tokens one rank fits in a micro-batch (e.g. the sequence "
-                                 f"length of a run without context parallelism)")
-    lens = tuple(seq_lens)
-    if not lens:
-        raise ValueError("empty batch: the batch has no sequences to schedule (check the data "
-                         "loader and the full batch size)")
-    for i, length in enumerate(lens):
-        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise ValueError(f"sequence {i} has length {length!r}: every sequence needs a positive integer "
-                             f"number of tokens")
-    for i, length in enumerate(lens):
-        if length <= capacity_tokens:
-            continue
-        if capacity_tokens < 2 or ranks_needed(length, capacity_tokens) > ranks:
-            need = 2 * -(-length // (2 * ranks))  # smallest even C with ceil(L / C) <= R
-            raise OverlapConfigError(
-                CAPACITY_FIELD,
-                f"sequence {i} has {length} tokens, more than the {ranks} ranks hold at {capacity_tokens} "
-                f"tokens each (R x C = {ranks * capacity_tokens}; a zigzag shard needs an even C); raise "
-                f"`hdp.max_tokens` to at least {need}, use more DP x CP ranks, or truncate the sequence")
-    return lens
 
 
 @dataclass
@@ -309,9 +276,13 @@ def _pipeline_plan(lens, R: int, C: int, cost: HdpCostModel, home, stages: Optio
     cache: dict = {}
     ms = _local_table(lens, cost, cache)
     best, best_ms, tried = None, None, 0
+    seen = set()
 
     def consider(plan):
         nonlocal best, best_ms, tried
+        if plan.microbatches in seen:  # the same plan from two candidates: priced once
+            return
+        seen.add(plan.microbatches)
         tried += 1
         t = pipeline_step_ms(plan, cost, P)
         if best is None or t < best_ms * (1 - 1e-9):

@@ -23,6 +23,7 @@ scheduler keeps the best, static CP's own plan and the list-scheduled plan among
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from typing import Iterator, List, Sequence, Tuple
 
@@ -50,21 +51,30 @@ def slot_balanced(lens: Sequence[int], R: int, C: int, cost: HdpCostModel, short
     whole (``cost.sequence_ms(L)``; computed when not given)."""
     if order not in ORDERS:
         raise ValueError(f"unknown slot order {order!r}: choose one of {', '.join(ORDERS)}")
+    return _ordered(lens, R, C, _cells(lens, R, C, cost, short_slots, wide, local_ms), wide, order)
+
+
+def _cells(lens, R: int, C: int, cost: HdpCostModel, short_slots: int, wide: bool, local_ms=None):
+    """Steps 1-3: (cells[slot][rank] shards, time[slot][rank] ms, ring slots)."""
     ms = list(local_ms) if local_ms is not None else [cost.sequence_ms(L) for L in lens]
     by_cost = sorted(range(len(lens)), key=lambda i: (-ms[i], -lens[i], i))
-    long_ids = [i for i in by_cost if lens[i] > C]
-    short_ids = [i for i in by_cost if lens[i] <= C]
+    cells, rows, busy, ring_time = _ring_slots([i for i in by_cost if lens[i] > C], lens, R, C, cost, wide)
+    time = [[_cell_ms(c, cost) for c in slot] for slot in cells]
+    rest = _beside_rings([i for i in by_cost if lens[i] <= C], lens, C, ms, cells, rows, time, busy, ring_time)
+    first = len(cells)
+    _lpt_cells(rest, lens, R, C, ms, cells, rows, time, short_slots)
+    return cells, time, first
 
-    # cells[slot][rank]: shards; time[slot][rank]; rows[slot][rank]
+
+def _ring_slots(long_ids, lens, R: int, C: int, cost: HdpCostModel, wide: bool):
+    """Step 1: (cells, rows, busy, ring time) per ring slot, ``busy[slot][rank]``: on a ring."""
     cells: List[List[List[Shard]]] = []
     rows: List[List[int]] = []
-    busy: List[List[float]] = []  # rank taken by a ring
+    busy: List[List[bool]] = []
     ring_time: List[float] = []
     for i in long_ids:
-        n = R if wide else max(2, ranks_needed(lens[i], C))
-        n = min(n, R)
-        probe = Shard(i, lens[i], tuple(range(n)), 0)
-        w = _cell_ms([probe], cost)
+        n = min(R, R if wide else max(2, ranks_needed(lens[i], C)))
+        w = _cell_ms([Shard(i, lens[i], tuple(range(n)), 0)], cost)
         for k in range(len(cells)):
             free = [r for r in range(R) if not busy[k][r]]
             if len(free) >= n and w <= ring_time[k]:
@@ -78,17 +88,20 @@ def slot_balanced(lens: Sequence[int], R: int, C: int, cost: HdpCostModel, short
             free = list(range(R))
         ring = tuple(free[:n])
         for x, r in enumerate(ring):
-            s = Shard(i, lens[i], ring, x)
-            cells[k][r].append(s)
-            rows[k][r] += s.rows
+            shard = Shard(i, lens[i], ring, x)
+            cells[k][r].append(shard)
+            rows[k][r] += shard.rows
             busy[k][r] = True
-    time = [[_cell_ms(c, cost) for c in slot] for slot in cells]
+    return cells, rows, busy, ring_time
 
-    # 2. the free cells of ring slots, best fit up to the ring's time
+
+def _beside_rings(short_ids, lens, C: int, ms, cells, rows, time, busy, ring_time) -> List[int]:
+    """Step 2: short sequences (costliest first) into the ring slots' free cells, best fit up to
+    the ring's time and C rows; returns those left, in order."""
+    R = len(busy[0]) if busy else 0
     gaps = sorted((ring_time[k] - time[k][r], k, r) for k in range(len(cells)) for r in range(R) if not busy[k][r])
     rest = []
     for i in short_ids:
-        placed = False
         for j, (room, k, r) in enumerate(gaps):
             if room >= ms[i] and rows[k][r] + lens[i] <= C:
                 cells[k][r].append(Shard(i, lens[i]))
@@ -96,15 +109,16 @@ def slot_balanced(lens: Sequence[int], R: int, C: int, cost: HdpCostModel, short
                 time[k][r] += ms[i]
                 gaps.pop(j)
                 if room - ms[i] > 0:
-                    gaps.insert(next((g for g, x in enumerate(gaps) if x[0] >= room - ms[i]), len(gaps)),
-                                (room - ms[i], k, r))
-                placed = True
+                    bisect.insort(gaps, (room - ms[i], k, r))
                 break
-        if not placed:
+        else:
             rest.append(i)
+    return rest
 
-    # 3. LPT over the short slots' cells
-    first = len(cells)
+
+def _lpt_cells(ids, lens, R: int, C: int, ms, cells, rows, time, short_slots: int) -> None:
+    """Step 3: each sequence (costliest first) to the least loaded short cell with room for its
+    rows, a slot more when none has room."""
     heap: List[Tuple[float, int, int]] = []
 
     def open_slot():
@@ -117,7 +131,7 @@ def slot_balanced(lens: Sequence[int], R: int, C: int, cost: HdpCostModel, short
 
     for _ in range(max(0, short_slots)):
         open_slot()
-    for i in rest:
+    for i in ids:
         held = []
         while heap:
             t, k, r = heapq.heappop(heap)
@@ -134,7 +148,10 @@ def slot_balanced(lens: Sequence[int], R: int, C: int, cost: HdpCostModel, short
         time[k][r] += ms[i]
         heapq.heappush(heap, (time[k][r], k, r))
 
-    # 4. order the slots (empty short slots dropped)
+
+def _ordered(lens, R: int, C: int, built, wide: bool, order: str) -> Plan:
+    """Step 4: the slots in ``order`` (empty short slots dropped), as a plan."""
+    cells, time, first = built
     keep = [k for k in range(len(cells)) if k < first or any(cells[k])]
     top = {k: max(time[k]) for k in keep}
     slots = sorted(keep, key=lambda k: (-top[k], k))
@@ -159,6 +176,10 @@ def candidates(lens: Sequence[int], R: int, C: int, cost: HdpCostModel, local_ms
     ms = list(local_ms) if local_ms is not None else [cost.sequence_ms(L) for L in lens]
     low = fewest_short_slots(lens, R, C)
     for wide in ((False, True) if any(L > C for L in lens) else (False,)):
+        short = sum(1 for L in lens if L <= C)
         for S in range(low, low + EXTRA_SLOTS + 1):
+            if S > low and (S - 1) * R >= short:  # every short sequence had a cell of its own already
+                break
+            built = _cells(lens, R, C, cost, S, wide, ms)
             for order in ORDERS:
-                yield slot_balanced(lens, R, C, cost, S, wide, order, ms)
+                yield _ordered(lens, R, C, built, wide, order)
