@@ -153,6 +153,29 @@ def test_hdp_pipeline_lab_reproduces_its_prediction(pool8):
     assert best["hdp"]["bytes_by_tier"]["inter"] > 0, best  # the activations travelled between the nodes
 
 
+@pytest.mark.parametrize("D, C, P, node", [(4, 8192, 2, 4), (4, 32768, 4, 8), (8, 16384, 2, 8)])
+def test_pp_planner_cost_agrees_with_the_lab_prediction(seed, D, C, P, node):
+    """The pipeline cost mode pp plans by (``hdp.pp_timeline``: the cost model's per-rank times
+    split over P stages, every transfer on the slower tier) against the lab's independent
+    ``simulate_pp`` (its own per-layer rates, each transfer on its tier), for HDP's and static
+    CP's plans of seeded Pile-shaped batches: within 2% (the lab then measures within 5% of
+    ``simulate_pp``, BENCHMARKS.md)."""
+    from megatron_overlap.cli.pile_lengths import pile_batches
+    from megatron_overlap.hdp.pp_timeline import pipeline_step_ms
+    from megatron_overlap.lab.hdp_cluster import HDPLabConfig, cost_and_link
+    from megatron_overlap.lab.hdp_pp_cluster import plan_pp, simulate_pp
+
+    rng = random.Random(seed)
+    for _ in range(3):
+        lens = pile_batches(3 * D * C, D * C, 1, seed=rng.randrange(10**6))[0]
+        cost, link = cost_and_link(HDPLabConfig(batches=(tuple(lens),), ranks=D * P, capacity=C, node_size=node,
+                                                exposed=False))
+        for name in ("hdp", "static"):
+            plan = plan_pp(name, lens, D, C, cost, None, P)
+            ours, lab = pipeline_step_ms(plan, cost, P), simulate_pp(plan, cost, link, P)
+            assert ours == pytest.approx(lab, rel=0.02), (name, lens)
+
+
 def test_two_tier_link_counts_bytes_per_tier(pool4):
     """A ring of 4 ranks on nodes of 2: ranks 1 -> 2 and 3 -> 0 cross nodes, 0 -> 1 and 2 -> 3 do
     not; each rank's link counts its bytes under the tier the shared ``TwoTierLink`` names."""

@@ -2,7 +2,7 @@
 (``lab/hdp_pp_cluster.py``): R = P x D ranks, each stage's D ranks one HDP group planned by the
 runtime in mode ``pp``, Megatron's 1F1B over the stages, activations P2P on the emulated two-tier
 link; per batch, HDP's plan and static CP's executed by the same runtime, beside the prediction
-(``lab.hdp_pp_cluster.simulate_pp``; nothing else in the product models HDP x PP). megatron-core's
+(``lab.hdp_pp_cluster.simulate_pp``, the independent check of ``hdp/pp_timeline.py``). megatron-core's
 ``BalancedCPScheduler`` is left out: its groups run with a barrier after each, which a pipeline's
 fixed micro-batch count does not have.
 """
@@ -28,7 +28,7 @@ def simulated(cfg) -> list:
         glens, home = gathered_order(list(lens), cfg.dp)
         row = {}
         for name in cfg.lab.schedulers:
-            plan = plan_pp(name, glens, cfg.dp, cfg.lab.capacity, cost, home)
+            plan = plan_pp(name, glens, cfg.dp, cfg.lab.capacity, cost, home, cfg.pp)
             plan.validate()
             row[name] = {"step_ms": simulate_pp(plan, cost, link, cfg.pp),
                          "microbatches": max(len(m) for m in plan.microbatches)}

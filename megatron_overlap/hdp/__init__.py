@@ -7,8 +7,11 @@ balanced, sequences kept where they were loaded where the step allows.
     cost.py        what a rank spends on them (compute + exposed ring communication)
     step_plan.py   a step's plan as data (per rank, ordered micro-batches) and its invariants
     simulate.py    the step's timeline from a plan
+    batch_input.py the planners' input checked (lengths, R, C, mode): ``check_batch``
     scheduler.py   the HDP scheduler (``schedule_hdp``)
     ring_sizes.py  its step 1: each ring's size and ranks, every size scored at once
+    pp_timeline.py a plan's step in a 1F1B pipeline (what mode ``pp`` plans against)
+    slot_balance.py      mode ``pp``'s slot-balanced plans: every slot's cells about equal
     collector_pause.py   the planner with Python's cyclic garbage collector paused
     guard.py       never slower than megatron-core's plan: ours or its, by the cost model
     bound_tradeoff.py    our plan or one planned with cheaper linears, close to both models' bounds

@@ -46,7 +46,7 @@ from .cost import HdpCostModel
 from .collector_pause import gc_paused
 from .packing import pack_first_fit
 from .step_plan import Plan
-from .scheduler import check_batch
+from .batch_input import check_batch
 from .shard import Shard, ranks_needed, rows_held
 
 

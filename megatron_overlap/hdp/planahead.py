@@ -52,11 +52,14 @@ class Planner:
     mode: str = "dp"
     cost: object = None
     peer: Optional[Callable] = None
+    stages: Optional[int] = None  # mode pp: the pipeline's stages (hdp.pp_timeline.DEFAULT_STAGES when None)
 
     def __call__(self, seq_lens: Sequence[int], home: Optional[Sequence[int]] = None) -> Plan:
         from . import schedule
 
         kwargs = {"mode": self.mode, "home": home} if self.scheduler == "hdp" else {}
+        if self.scheduler == "hdp" and self.mode == "pp" and self.stages is not None:
+            kwargs["stages"] = self.stages
         plan = schedule(self.scheduler, list(seq_lens), self.ranks, self.capacity_tokens, self.cost, **kwargs)
         if self.peer is None or self.scheduler != "hdp" or self.mode != "dp":
             return plan

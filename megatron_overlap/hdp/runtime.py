@@ -202,11 +202,13 @@ class HdpRuntime:
     ``adapter``: the model adapter (module docstring); ``device``: where micro-batch tensors go
     (default: the current CUDA device under NCCL, else CPU); ``row_multiple``: every micro-batch's
     rows padded to a multiple of it (the TP size under sequence parallelism: each HDP "rank" is
-    then a TP group, its TP ranks holding the same samples and running the same plan). ``integration.hdp.make_runtime``
+    then a TP group, its TP ranks holding the same samples and running the same plan); ``stages``:
+    mode ``pp``'s pipeline stages, what its plans are scored for (``pp_timeline``). ``integration.hdp.make_runtime``
     builds one from the config of ``--overlap-hdp`` for Megatron's model and groups."""
 
     def __init__(self, capacity_tokens: int, group: dist.ProcessGroup, adapter, mode: str = "dp",
-                 scheduler: str = "hdp", cost=None, device=None, row_multiple: int = 1, timeout_s=None, peer=None):
+                 scheduler: str = "hdp", cost=None, device=None, row_multiple: int = 1, timeout_s=None, peer=None,
+                 stages=None):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"the HDP runtime runs the {' or '.join(SCHEDULERS)} scheduler, not {scheduler!r}")
         if mode not in MODES:
@@ -220,7 +222,7 @@ class HdpRuntime:
         self.timeout_s = timeout_s  # comm.timeout_s: bounds the step's exchange (the rings: the attention's)
         self.group, self.adapter = group, adapter
         self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.planner = Planner(scheduler, self.size, capacity_tokens, mode, cost, peer)
+        self.planner = Planner(scheduler, self.size, capacity_tokens, mode, cost, peer, stages)
         if device is None:
             device = group_device(self.group)
         self.device = torch.device(device)

@@ -69,7 +69,11 @@ Algorithm, ``mode="dp"`` (balance each rank's work per step; list scheduling, lo
 
     Ranks with lighter rings take more short sequences, hence more micro-batches.
 
-``mode="pp"`` (sequences of similar length travel through the pipeline together): steps 1 and 2
+``mode="pp"`` (a 1F1B pipeline: every rank the same slot count, each slot costing its largest
+cell): the plan below, the slot-balanced plans (``slot_balance``) and static CP's own, each
+priced by ``pp_timeline.pipeline_step_ms`` for the pipeline's stages, the shortest kept
+(``_pipeline_plan``; ``spread`` and the first ring's resizing are not used). The plan below
+(sequences of similar length travel through the pipeline together): steps 1 and 2
 without the gaps (a pipeline runs its micro-batches in order, so work put before a ring delays
 the pipeline instead of filling a wait). Every rank runs its rings first (the longest sequences),
 then its short sequences sorted longest first and packed next-fit, so a micro-batch holds
@@ -92,7 +96,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..errors import OverlapConfigError
+from .batch_input import CAPACITY_FIELD, MODES, check_batch  # noqa: F401  (re-exported: callers read them here)
 from .cost import HdpCostModel, local_ms, ring_ms  # noqa: F401  (ring_ms: re-exported, the tests read it here)
 from .collector_pause import gc_paused
 from .locality import check_home, home_first, relabel_rings
@@ -102,45 +106,8 @@ from .shard import Shard, ranks_needed
 from .simulate import options_many, sequence_options
 from .ring_sizes import spread_choice
 
-MODES = ("dp", "pp")
 FIRST_SIZES = 8  # at most this many sizes of the first ring tried again (schedule_hdp)
 BOUND_SLACK = 0.01  # a plan this close to the lower bound is not searched further
-CAPACITY_FIELD = "hdp.max_tokens"  # the config field errors about C name
-
-
-def check_batch(seq_lens: Sequence[int], ranks: int, capacity_tokens: int, mode: Optional[str] = None
-                ) -> Tuple[int, ...]:
-    """The lengths as a tuple of ints, or a clear error: no ranks, C <= 0, an empty batch, a
-    non-positive length, a sequence no ring of the R ranks can hold, an unknown mode."""
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"unknown HDP balance mode {mode!r}: use 'dp' (balance every rank's work per "
-                         f"step) or 'pp' (also keep similar lengths at the same micro-batch index, for "
-                         f"pipeline parallelism)")
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks (DP x CP) must be a positive integer, got {ranks!r}")
-    if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens <= 0:
-        raise OverlapConfigError(CAPACITY_FIELD, f"must be a positive number of tokens, got {capacity_tokens!r}; "
-                                 f"set it to the tokens one rank fits in a micro-batch (e.g. the sequence "
-                                 f"length of a run without context parallelism)")
-    lens = tuple(seq_lens)
-    if not lens:
-        raise ValueError("empty batch: the batch has no sequences to schedule (check the data "
-                         "loader and the full batch size)")
-    for i, length in enumerate(lens):
-        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise ValueError(f"sequence {i} has length {length!r}: every sequence needs a positive integer "
-                             f"number of tokens")
-    for i, length in enumerate(lens):
-        if length <= capacity_tokens:
-            continue
-        if capacity_tokens < 2 or ranks_needed(length, capacity_tokens) > ranks:
-            need = 2 * -(-length // (2 * ranks))  # smallest even C with ceil(L / C) <= R
-            raise OverlapConfigError(
-                CAPACITY_FIELD,
-                f"sequence {i} has {length} tokens, more than the {ranks} ranks hold at {capacity_tokens} "
-                f"tokens each (R x C = {ranks * capacity_tokens}; a zigzag shard needs an even C); raise "
-                f"`hdp.max_tokens` to at least {need}, use more DP x CP ranks, or truncate the sequence")
-    return lens
 
 
 @dataclass
@@ -239,7 +206,8 @@ def _lpt(ids: Sequence[int], ms: Sequence[float], clock: List[float]) -> List[Li
 @gc_paused
 def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
                  cost: Optional[HdpCostModel] = None, mode: str = "dp", spread: bool = True,
-                 home: Optional[Sequence[int]] = None, resize_first: bool = True) -> Plan:
+                 home: Optional[Sequence[int]] = None, resize_first: bool = True,
+                 stages: Optional[int] = None) -> Plan:
     """The HDP plan of one full batch (module docstring). ``spread``: rings may take more ranks
     than they need where the step gets shorter (False: always the fewest, ``ceil(L / C)``);
     ``home``: per sequence, the rank that loaded it (sequences stay there where the step allows).
@@ -247,13 +215,16 @@ def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
     step under ``cost`` kept, among equal steps the one that moves the fewest tokens.
     ``resize_first``: where the best plan ends more than BOUND_SLACK above the lower bound, the
     first ring's other sizes are tried too (below; ``bound_tradeoff.for_both``'s re-plans skip it).
-    ``mode="pp"`` keeps the fewest ranks (the simulator does not see a pipeline's lockstep).
+    ``mode="pp"``: the plans of ``_pipeline_plan`` scored by the 1F1B timeline of ``stages``
+    pipeline stages (``pp_timeline``; default ``pp_timeline.DEFAULT_STAGES``).
     Raises ``OverlapConfigError`` / ``ValueError`` on bad input (``check_batch``)."""
     from .simulate import simulate
 
     lens = check_batch(seq_lens, ranks, capacity_tokens, mode)
     cost = cost or HdpCostModel()
     home = check_home(home, len(lens), ranks)
+    if mode == "pp":
+        return _pipeline_plan(lens, ranks, capacity_tokens, cost, home, stages)
     best, best_key = None, None
     cache: dict = {}  # peer times by (length, ring size, in one node), shared by the plans tried
 
@@ -290,6 +261,40 @@ def schedule_hdp(seq_lens: Sequence[int], ranks: int, capacity_tokens: int,
                 break
             consider(True, (top.seq_id, n))
     return best
+
+
+def _pipeline_plan(lens, R: int, C: int, cost: HdpCostModel, home, stages: Optional[int]) -> Plan:
+    """Mode ``pp`` (module docstring): the list-scheduled plan (``_build``), the slot-balanced ones
+    (``slot_balance.candidates``) and static CP's own, the shortest 1F1B step kept (the first
+    among equal steps): never a longer pipeline step than static CP's, under the same model."""
+    import dataclasses
+
+    from .pp_timeline import DEFAULT_STAGES, check_stages, pipeline_step_ms, static_pp_candidates
+    from .slot_balance import candidates
+
+    P = DEFAULT_STAGES if stages is None else check_stages(stages)
+    cache: dict = {}
+    ms = _local_table(lens, cost, cache)
+    best, best_ms, tried = None, None, 0
+    seen = set()
+
+    def consider(plan):
+        nonlocal best, best_ms, tried
+        if plan.microbatches in seen:  # the same plan from two candidates: priced once
+            return
+        seen.add(plan.microbatches)
+        tried += 1
+        t = pipeline_step_ms(plan, cost, P)
+        if best is None or t < best_ms * (1 - 1e-9):
+            best, best_ms = plan, t
+
+    consider(_build(lens, R, C, cost, "pp", False, home, home, cache))
+    for plan in candidates(lens, R, C, cost, ms):
+        consider(plan)
+    for plan in static_pp_candidates(lens, R, C, cost):
+        consider(plan)
+    note = f"1F1B step {best_ms:.1f} ms at {P} stages, the shortest of {tried} plans (hdp/pp_timeline.py)"
+    return dataclasses.replace(best, notes=tuple(best.notes) + (note,))
 
 
 def _build(lens, R: int, C: int, cost: HdpCostModel, mode: str, spread: bool, home, loaded,

@@ -20,11 +20,12 @@ An activation (and its gradient) is ``rows x hidden x 2`` modelled bytes, sent a
 those bytes x the lab's byte factor on the emulated two-tier link (P2P on the world group, the
 rings on their stage's group: one egress port each). Times, not numerics.
 
-The prediction (``simulate_pp``): nothing in the product simulates HDP x PP (``hdp/simulate.py``
-has no pipeline, ``pp/schedule_sim.py`` no rings), so this module computes it with the same
-model: per (stage, rank, micro-batch) F and B from ``cp.step_model.LayerCosts`` (the lab's
-rates: linears per row, attention per causal pair, backward 2x and ``bwd_factor`` x, the output
-layer on the last stage, a ring's ``HdpCostModel.exposed_ring_ms`` / P shared in that ratio),
+The prediction (``simulate_pp``): the independent check of the product's own pipeline cost
+(``hdp/pp_timeline.py``, what mode ``pp`` plans against; ``pp/schedule_sim.py`` has no rings),
+computed from the lab's rates: per (stage, rank, micro-batch) F and B from
+``cp.step_model.LayerCosts`` (linears per row, attention per causal pair, backward 2x and ``bwd_factor`` x, the output
+layer on the last stage, a ring's ``HdpCostModel.exposed_ring_ms`` / P shared in that ratio,
+once per micro-batch of the rows and pairs packed on it, as the runtime runs them: one ring pass),
 1F1B order per stage, a ring starting when all its peers of the stage are ready and ending for
 all at the slowest peer's end, a P2P transfer ``latency + bytes / bandwidth`` of its tier, sent
 when its op ends (ports not serialised).
@@ -77,10 +78,11 @@ def check_pp(ranks: int, pp: int, layers: int, layer_groups: int) -> int:
     return ranks // pp
 
 
-def plan_pp(name: str, seq_lens, dp: int, capacity: int, cost, home=None):
+def plan_pp(name: str, seq_lens, dp: int, capacity: int, cost, home=None, pp: int = None):
+    """``name``'s plan of one stage's group; HDP's planned for a 1F1B pipeline of ``pp`` stages."""
     from ..hdp.planahead import Planner
 
-    return Planner(name, dp, capacity, "pp", cost)(list(seq_lens), home)
+    return Planner(name, dp, capacity, "pp", cost, stages=pp)(list(seq_lens), home)
 
 
 def _mb_costs(plan, cost, costs, pp: int, hidden: int) -> tuple:
@@ -97,9 +99,11 @@ def _mb_costs(plan, cost, costs, pp: int, hidden: int) -> tuple:
             pairs = sum(s.causal_pairs for s in mb)
             lin = rows * (costs.qkv_ms_per_token + costs.post_ms_per_token) * lp
             att = pairs * costs.pair_ms * lp
-            exp = sum(cost.exposed_ring_ms(s.rows, s.causal_pairs, s.ring) for s in mb if len(s.ring) > 1) / pp
-            f_exp = exp / (1 + costs.bwd_factor)
             ring = next((tuple(s.ring) for s in mb if len(s.ring) > 1), None)
+            on_ring = [s for s in mb if len(s.ring) > 1]  # packed on one ring: one pass, rows and pairs add
+            exp = cost.exposed_ring_ms(sum(s.rows for s in on_ring), sum(s.causal_pairs for s in on_ring),
+                                       ring) / pp if ring else 0.0
+            f_exp = exp / (1 + costs.bwd_factor)
             head = rows * costs.head_ms_per_token
             row.append((lin + att + f_exp, 2 * lin + costs.bwd_factor * att + exp - f_exp, (head, 2 * head), ring,
                         rows * hidden * 2))
@@ -217,7 +221,8 @@ class HDPPipeRanks(EmulatedRanks):
         try:
             samples = self.samples[batch]
             gathered = self.runtime.gather(samples)
-            plan = plan_pp(scheduler, gathered.seq_lens, self.cfg.dp, self.lab.capacity, self.cost, gathered.home)
+            plan = plan_pp(scheduler, gathered.seq_lens, self.cfg.dp, self.lab.capacity, self.cost, gathered.home,
+                           self.cfg.pp)
             step = self.runtime.load(samples, gathered, plan)
         finally:
             self.link.spec = self.spec
