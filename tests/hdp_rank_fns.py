@@ -383,7 +383,8 @@ def exactness_pp(seed: int) -> dict:
         return dict(rank=dist.get_rank(), stage=parallel_state.get_pipeline_model_parallel_rank(), loss=loss,
                     ref_loss=ref_loss, grad_rel=_rel(got, ref), grad_total_rel=_total_rel(got, ref), count=count,
                     group=dist.get_process_group_ranks(rt.group), my_rings=[len(mb.ring) for mb in step.microbatches],
-                    signature=repr(step.plan.microbatches), fixed_shapes=fixed_shapes)
+                    signature=repr(step.plan.microbatches), fixed_shapes=fixed_shapes,
+                    planned_for=(rt.planner.mode, rt.planner.stages))
     except Exception:
         return dict(error=traceback.format_exc())
     finally:

@@ -92,6 +92,7 @@ def test_pipeline_parallel_hdp_is_exact(pool4, seed):
         assert worst[1] <= REL_TOL and r["grad_total_rel"] <= REL_TOL, worst
         assert r["group"] == ([0, 1] if r["stage"] == 0 else [2, 3]), r  # one stage of both pipelines
         assert 2 in r["my_rings"] and 1 in r["my_rings"], r["my_rings"]
+        assert r["planned_for"] == ("pp", 2), r["planned_for"]  # plans priced for this pipeline's 2 stages
         assert r["fixed_shapes"].startswith("OverlapConfigError: --overlap-hdp: with pipeline parallelism") and \
             "variable_seq_lengths = True" in r["fixed_shapes"], r["fixed_shapes"]
     assert len({r["count"] for r in results}) == 1  # one micro-batch count on every stage of every pipeline

@@ -320,7 +320,10 @@ def make_runtime(hdp, group: Optional[dist.ProcessGroup] = None, **kwargs):
 
     if parallel_state.model_parallel_is_initialized():
         kwargs.setdefault("row_multiple", parallel_state.get_tensor_model_parallel_world_size())
-        kwargs.setdefault("mode", "pp" if parallel_state.get_pipeline_model_parallel_world_size() > 1 else "dp")
+        stages = parallel_state.get_pipeline_model_parallel_world_size()
+        kwargs.setdefault("mode", "pp" if stages > 1 else "dp")
+        if stages > 1:
+            kwargs.setdefault("stages", stages)  # mode pp prices its plans as this pipeline runs them
     if "timeout_s" not in kwargs:  # --overlap-timeout-s of the installation in force bounds the exchange too
         inst = installation()
         kwargs["timeout_s"] = inst.config.comm.timeout_s if inst is not None else None
