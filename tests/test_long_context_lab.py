@@ -117,7 +117,8 @@ def test_hdp_pipeline_lab_reproduces_its_prediction(pool8):
     """HDP's pipeline mode at PP = 2 x DP = 4 (8 ranks, nodes of 4: every activation crosses the
     node boundary), one Pile-shaped batch of 2 x DP x C tokens, C = 8192 (rings on the stages'
     groups): HDP's and static CP's plans, planned in mode pp by the runtime and run in 1F1B, each
-    step within 5% of lab.hdp_pp_cluster.simulate_pp's for the same plan."""
+    step within 5% of lab.hdp_pp_cluster.simulate_pp's for the same plan; the limit (the same
+    step with every transfer free) no longer than the step."""
     from megatron_overlap.cli.bench_hdp_pipeline import simulated, summarize
     from megatron_overlap.cli.pile_lengths import pile_batches
     from megatron_overlap.lab.hdp_cluster import HDPLabConfig
@@ -126,7 +127,7 @@ def test_hdp_pipeline_lab_reproduces_its_prediction(pool8):
 
     D, C = 4, 8192
     batch = pile_batches(2 * D * C, D * C, 1, seed=3)[0]
-    cfg = HDPPipeConfig(lab=HDPLabConfig(batches=(tuple(batch),), ranks=D, capacity=C, node_size=4, exposed=False,
+    cfg = HDPPipeConfig(lab=HDPLabConfig(batches=(tuple(batch),), ranks=D, capacity=C, node_size=4, exposed=True,
                                          schedulers=("hdp", "static")), pp=2)
     sim = simulated(cfg)
     assert max(sim[0]["static"]["microbatches"], sim[0]["hdp"]["microbatches"]) >= 2, sim
@@ -151,6 +152,8 @@ def test_hdp_pipeline_lab_reproduces_its_prediction(pool8):
     for name, r in best.items():
         assert abs(r["prediction_error"]) <= TOLERANCE, (name, r["step_ms"], r["predicted_step_ms"], batch)
     assert best["hdp"]["bytes_by_tier"]["inter"] > 0, best  # the activations travelled between the nodes
+    for name, r in best.items():  # the limit: the same step with every transfer free, never longer
+        assert 0 < r["limit_ms"] <= r["step_ms"] * (1 + TOLERANCE) and r["cpu_ms"] > 0, (name, r)
 
 
 @pytest.mark.parametrize("D, C, P, node", [(4, 8192, 2, 4), (4, 32768, 4, 8), (8, 16384, 2, 8)])

@@ -70,9 +70,13 @@ def summarize(cfg, rounds: list, sim: list) -> dict:
                 "step_ms": step, "predicted_step_ms": s[name]["step_ms"],
                 "prediction_error": step / s[name]["step_ms"] - 1, "microbatches": s[name]["microbatches"],
                 "late_ms": 1e3 * max(r[name]["link"]["late_s"] for r in per_rank) / tf,
+                "cpu_ms": 1e3 * max(r[name]["link"]["cpu_s"] for r in per_rank),
                 "cpu_share": max(r[name]["link"]["cpu_s"] / r[name]["link"]["wall_s"] for r in per_rank),
                 "bytes_by_tier": {t: max(r[name]["link"]["bytes_by_tier"].get(t, 0) for r in per_rank)
                                   for t in ("intra", "inter")}}
+            if all("free" in r[name] for r in per_rank):  # the limit: every transfer free
+                limit = 1e3 * max(r[name]["free"]["wall_s"] for r in per_rank) / tf
+                row["schedulers"][name].update(limit_ms=limit, exposed_ms=step - limit)
         sc = row["schedulers"]
         if "static" in sc:
             for r in sc.values():
@@ -92,16 +96,19 @@ def format_table(result: dict, source: str) -> str:
              f"{c['time_factor']:.4g}x modelled time, times in modelled ms",
              "",
              f"{'batch':>5}{'scheduler':>10}{'step ms':>10}{'[sim]':>10}{'error':>8}{'vs static':>10}{'[sim]':>8}"
-             f"{'mb':>5}{'CPU':>7}{'late':>7}"]
+             f"{'mb':>5}{'limit':>10}{'exposed':>9}{'CPU ms':>8}{'CPU':>7}{'late':>7}"]
     for k, b in enumerate(result["batches"]):
         for name, r in b["schedulers"].items():
             lines.append(f"{k:>5}{name:>10}{r['step_ms']:>10.0f}{r['predicted_step_ms']:>10.0f}"
                          f"{100 * r['prediction_error']:>+7.1f}%{r.get('vs_static', 0):>9.2f}x"
                          f"{r.get('predicted_vs_static', 0):>7.2f}x{r['microbatches']:>5}"
-                         f"{100 * r['cpu_share']:>6.1f}%{r['late_ms']:>7.0f}")
+                         + (f"{r['limit_ms']:>10.0f}{r['exposed_ms']:>9.0f}" if "limit_ms" in r else f"{'-':>10}{'-':>9}")
+                         + f"{r['cpu_ms']:>8.0f}{100 * r['cpu_share']:>6.1f}%{r['late_ms']:>7.0f}")
         lines.append(f"{'':>5}{b['sequences']} sequences, {b['tokens']} tokens, longest {b['longest']}")
     lines.append("step: the slowest rank; [sim]: lab.hdp_pp_cluster.simulate_pp of the same plan (simulated); mb: "
-                 "micro-batch slots per pipeline; CPU: the busiest rank's CPU / wall; late: the most a device idled "
+                 "micro-batch slots per pipeline; limit: the same step with every transfer free (rings and stage hops); "
+                 "exposed: step - limit; CPU ms / CPU: the busiest rank's CPU per step (wall ms) / its share of the wall "
+                 "step; late: the most a device idled "
                  "behind its host (the lab's own error)")
     return "\n".join(lines)
 
@@ -138,7 +145,7 @@ def pipeline_main(args) -> int:
         raise BenchError(f"{args.ranks} emulated ranks (--ranks) is more than this machine holds: at most {most} ({why})")
     lab = HDPLabConfig(batches=tuple(tuple(b) for b in batches), ranks=dp, capacity=args.max_tokens_per_rank,
                        model=args.model, hardware=args.hardware, node_size=args.node_size, intra_GBps=args.intra_GBps,
-                       inter_GBps=args.inter_GBps, layer_groups=args.layer_groups, schedulers=names, exposed=False,
+                       inter_GBps=args.inter_GBps, layer_groups=args.layer_groups, schedulers=names, exposed=not args.no_exposed,
                        seed=args.seed)
     check(replace(lab, schedulers=("hdp",)))  # the batches fit the DP group, the link divides the ranks
     if args.node_size and args.ranks % args.node_size:

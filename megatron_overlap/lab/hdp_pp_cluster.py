@@ -288,7 +288,14 @@ class HDPPipeRanks(EmulatedRanks):
 
         mbs = self.load(batch, scheduler)
         HDPClusterRanks._count_masks(SimpleNamespace(blocks=self.blocks, rank=self.d), [(0, mb) for mb in mbs])
-        return {"link": self._run(mbs)}
+        out = {"link": self._run(mbs)}
+        if self.lab.exposed:  # the limit: the same step with every transfer free (rings and stage hops)
+            self.link.spec = self.free_spec
+            try:
+                out["free"] = self._run(mbs)
+            finally:
+                self.link.spec = self.spec
+        return out
 
     def round(self, index: int) -> dict:
         return {name: self.step(index, name) for name in self.rotated(self.lab.schedulers, index)}
