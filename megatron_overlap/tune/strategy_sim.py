@@ -20,6 +20,8 @@ share"); ``comm_ms`` the TP transfers' link time (busy + latency) per step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass, field
 
@@ -103,6 +105,9 @@ def simulate_ops(ops: list, ctx: Ctx, training: bool) -> OpsResult:
         gb.compute("end", 0.0, sub_batches.backward(gb, ctx, ops, n))
     elif training:
         prefetch: dict = {}
+        # per-op: a Row starts the Column's whole input re-gather once its own pieces are in
+        # (tp.linear.GatherSlot.start); only sub-batches split it at ``prefetch_fraction``
+        ctx = dataclasses.replace(ctx, strategy=dataclasses.replace(ctx.strategy, prefetch_fraction=1.0))
         for index in range(len(ops) - 1, -1, -1):
             op = ops[index]
             if not isinstance(op, Linear):
