@@ -313,3 +313,28 @@ def test_sub_batches_move_the_same_bytes_and_hide_more_of_a_layer():
            r.strategy.chunks == 0 and r.strategy.rs == "ring"}
     assert best.strategy.name == "p2p" and best.step_ms == min(p2p.values()) == p2p[best.strategy.sub_batches]
     assert stock.strategy.name == "megatron"
+
+
+def test_per_op_backward_prices_the_whole_input_regather_early():
+    """Per-op overlap (no sub-batches): a Row's backward starts the whole input re-gather of the
+    Column before it once its own grad-output pieces are in (tp.linear.GatherSlot.start), so the
+    model prices that early gather at a full all-gather and nothing is left for the Column's own;
+    the bytes stay stock's."""
+    from megatron_overlap.tune.hardware import cpu_emulated_spec
+    from megatron_overlap.tune.layer_ops import transformer_layer_ops
+    from megatron_overlap.tune.models import ModelSpec, RunSpec
+    from megatron_overlap.tune.strategies import Strategy
+
+    hw = cpu_emulated_spec(60.0, 10.0, 0.04, 0.0)
+    model = ModelSpec("layer", hidden=1024, ffn=4096, heads=8, kv_heads=8, layers=1, vocab=1024, seq=2048, gated=False)
+    run = RunSpec(tp=2, seq=2048, micro_batch=1, phase="train")
+    ops = transformer_layer_ops(model, run, hw)
+    ours = simulate_ops(ops, make_ctx(run, hw, Strategy("p2p")), True)
+    stock = simulate_ops(ops, make_ctx(run, hw, Strategy("megatron")), True)
+    early = {t.name: t.busy_ms for t in ours.bwd_tasks if t.name.endswith("bwd AG(x) early")}
+    late = {t.name: t.busy_ms for t in ours.bwd_tasks if t.name.endswith("bwd AG(x)")}
+    full = {t.name: t.busy_ms for t in stock.bwd_tasks if t.name.endswith("bwd AG(x)")}
+    assert early and set(late) == set(full), (early, late, full)
+    for name, ms in early.items():  # each Column with a Row after it: the whole gather early
+        assert ms == pytest.approx(full[name[:-len(" early")]], rel=1e-9) and late[name[:-len(" early")]] == 0.0
+    assert ours.comm_ms("tp") == pytest.approx(stock.comm_ms("tp"), rel=1e-9)
