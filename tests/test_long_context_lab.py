@@ -74,6 +74,54 @@ def test_cp_lab_reproduces_the_simulator(pool8):
     assert variants["ring"]["vs_waited"] > 1.0
 
 
+def test_cp_lab_blocking_exchanges_expose_the_simulated_at_a_slow_clock(pool8):
+    """Llama-3-70B, 512k tokens, CP = 8 on 8 ranks of one node, the clock at ~0.002x modelled time
+    (a millisecond of host time is ~450 modelled ms): the all-to-all's and the waited ring's exposed
+    communication (step - replay) within 10% of cp/step_model.py's. A lab whose host slept to every
+    transfer's deadline put each rank's wake-up, and gloo's own message latency, into the emulated
+    device's time after every blocking exchange: several times the simulated exposure here."""
+    from megatron_overlap.cli.bench_cp import summarize, time_factor
+    from megatron_overlap.lab.cp_cluster import CPClusterRanks, CPLabConfig, cost_and_link
+    from megatron_overlap.lab.session import RemoteSession
+
+    cfg = CPLabConfig(model="llama3-70b", seq=524288, cp=8, ranks=8, layer_groups=2, step_s=0.8, steps=2, warmup=1,
+                      variants=(("a2a", 8, True), ("ring", 1, False)))
+    cost, link = cost_and_link(cfg)
+    cfg = replace(cfg, time_factor=time_factor(cfg, cost, link))
+    with RemoteSession(pool8, CPClusterRanks, asdict(cfg)) as ranks:
+        result = summarize(cfg, ranks.rounds(cfg.warmup, cfg.steps), ranks.started)
+    for name, r in result["variants"].items():
+        assert r["predicted_exposed_ms"] > 0.002 * r["predicted_step_ms"], name  # a blocking exchange exposes
+        assert r["exposed_ms"] == pytest.approx(r["predicted_exposed_ms"], rel=0.10), (name, r["steps_ms"])
+
+
+def test_a_stream_wait_holds_the_emulated_device_not_the_host():
+    """With ``EmulatedLink.stream_waits`` (the CP lab) a wait returns before its transfer's deadline
+    and the device's next op starts at the deadline, as a GPU's stream wait; without, the host
+    sleeps to the deadline (and the device starts there too)."""
+    import time
+
+    from megatron_overlap.lab.compute_clock import ComputeClock
+    from megatron_overlap.lab.link_work import _EmuWork
+
+    class Link:  # what a work handle uses of EmulatedLink
+        def __init__(self, stream_waits):
+            self.clock, self.stream_waits = ComputeClock(slack_s=1.0, record=True), stream_waits
+
+        def _blocked(self, t0, t1, op=""):
+            pass
+
+    for stream_waits in (True, False):
+        link = Link(stream_waits)
+        deadline = time.perf_counter() + 0.3
+        _EmuWork(link, None, deadline, "irecv").wait()
+        returned = time.perf_counter()
+        link.clock.run(0.01, "block")
+        [(_label, start, _end)] = link.clock.spans
+        assert start == deadline, stream_waits
+        assert (returned < deadline - 0.15) == stream_waits, (returned - deadline, stream_waits)
+
+
 def test_hdp_lab_reproduces_the_simulator(pool8):
     """One full batch of Pile-shaped document lengths (2 x R x C tokens, R = 8 over two nodes of
     4, C = 8192): HDP's, static CP's and megatron-core's BalancedCPScheduler's plans executed by

@@ -4,7 +4,7 @@ planner's pick, and the waited ring; simulated (``cp/step_model.py``), and with 
 measured on the emulated cluster (``lab/cp_cluster.py``, 16 ranks on this machine).
 
     step ms        the slowest rank's step (forward + backward of every layer), modelled ms
-                   (measured wall time / the lab's time factor)
+                   (its emulated device's end, measured on the wall clock, / the lab's time factor)
     limit          the replay: the same compute with every exchange a local copy (measured); the
                    simulator's is the busiest rank's compute
     exposed        step - limit (medians of per-round differences)

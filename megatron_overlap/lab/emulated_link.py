@@ -43,7 +43,11 @@ a transfer escaped the emulation.
 
 With a ``ComputeClock`` attached (``link.clock``, the emulated cluster), a transfer posted right
 after an op leaves when that op ended on the emulated device, and a wait that returns tells
-the clock when its transfer arrived (``lab/compute_clock.py``).
+the clock when its transfer arrived (``lab/compute_clock.py``). With ``stream_waits`` as well,
+a wait does not sleep until the deadline: it returns once the real op is done and the clock's
+device waits instead, as ``Work.wait()`` on a GPU orders the streams and leaves the host to
+run ahead (the long-context lab: sleeping there put every rank's host wake-up after each
+blocking exchange, 16 ranks on 2 cores at once, into the emulated device's time).
 
 CPU / gloo only: on GPU the real link is the one to measure.
 """
@@ -104,6 +108,7 @@ class EmulatedLink:
         self._free_at: dict = {}  # port -> when it is free
         self._group_ranks: dict = {}  # id(group) -> its global ranks
         self.clock = None  # a lab.compute_clock.ComputeClock (the emulated cluster)
+        self.stream_waits = False  # with a clock: a wait holds the emulated device, not the host (link_work)
         self.free_channels: tuple = ()  # process groups (``_channel``) whose transfers take no time
         self._originals: dict[str, Callable] = {}
         self._rebound: list = []

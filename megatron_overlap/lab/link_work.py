@@ -11,7 +11,10 @@ from ..trace.markers import WAIT
 
 
 class _EmuWork:
-    """A work handle whose wait() also honours the emulated deadline."""
+    """A work handle whose wait() also honours the emulated deadline: it sleeps until then, or,
+    with ``EmulatedLink.stream_waits`` and a clock, returns once the real op is done and only the
+    clock's device waits for the deadline (``ComputeClock.resume_at``), as a GPU's stream wait
+    holds the device, not the host."""
 
     def __init__(self, link: "EmulatedLink", real, deadline: float, op: str = ""):
         self._link = link
@@ -29,7 +32,7 @@ class _EmuWork:
                 self._real.wait() if timeout is None else self._real.wait(timeout)
             self._arrived()
             left = self._deadline - time.perf_counter()
-            if left > 0:
+            if left > 0 and not (self._link.stream_waits and self._link.clock is not None):
                 time.sleep(left)
         self._done = True
         self._link._blocked(t0, time.perf_counter(), self._op)
