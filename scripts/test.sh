@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite (CPU, gloo; 657 tests, 25 minutes on 2 cores, 2026-12-05 03:39 UTC, the configuration matrix included). Arguments go to pytest; -m "not matrix" is the quick subset (623 tests, 11 minutes, 03:53 UTC).
+# The whole test suite (CPU, gloo; 668 tests, 30 minutes on 2 cores, 2026-12-05 06:37 UTC, the configuration matrix included). Arguments go to pytest; -m "not matrix" is the quick subset (634 tests, 13 minutes, 06:53 UTC).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
