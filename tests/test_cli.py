@@ -234,10 +234,15 @@ def test_bench_layer_smoke():
     assert result["max_rel_diff_vs_stock"] <= 1e-6 and result["sub_max_rel_diff_vs_stock"] <= 1e-6
     assert result["overlap"]["bytes_per_step"] == result["sub"]["bytes_per_step"] == result["stock"]["bytes_per_step"] > 0
     assert result["limit_ms"] <= result["phase_limit_ms"] and "transformer layer" in out.stdout
-    # forward and backward apart: the phases add up to the step, and the attention's sync bound is
-    # the plain forward bound raised by the first query part's attention (half of it at 2 parts)
+    # forward and backward apart: in every round the phases add up to that round's bound (exactly: a
+    # sum of medians taken from different rounds once missed the median round's by 21% on a loaded
+    # machine), and the attention's sync bound is the plain forward bound raised by the first query
+    # part's attention (half of it at 2 parts)
     ph = result["phases"]
-    assert ph["forward_bound_ms"] + ph["backward_bound_ms"] == pytest.approx(result["phase_limit_ms"], rel=0.2)
+    assert len(ph["rounds"]) == len(result["phase_limit_rounds_ms"]) == 3
+    for bounds, limit in zip(ph["rounds"], result["phase_limit_rounds_ms"]):
+        assert bounds["forward_bound_ms"] + bounds["backward_bound_ms"] == pytest.approx(limit, rel=1e-9)
+    assert result["phase_limit_ms"] == sorted(result["phase_limit_rounds_ms"])[1]
     assert 0 < ph["compute_attention_ms"] < ph["compute_forward_ms"]
     assert "sync bd" in out.stdout
     for mode in ("stock", "overlap", "sub"):

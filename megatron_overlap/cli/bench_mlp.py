@@ -125,7 +125,8 @@ def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
         share = per_rank[0]["forward_bytes_share"]
         return max(forward, share * transfer) + max(compute - forward, (1 - share) * transfer)
 
-    result["phase_limit_ms"] = statistics.median(1e3 * phase_limit(per_rank) for per_rank in rounds)
+    result["phase_limit_rounds_ms"] = [1e3 * phase_limit(per_rank) for per_rank in rounds]
+    result["phase_limit_ms"] = statistics.median(result["phase_limit_rounds_ms"])
     result["phases"] = phases(cfg, rounds)
     for mode in cfg.modes:
         result[mode]["forward_ms"] = statistics.median(
@@ -170,6 +171,13 @@ def phases(cfg: MLPBench, rounds: list) -> dict:
         t * (1 - share) for t in transfer)
     out["forward_bound_ms"] = max(out["compute_forward_ms"], out["transfer_forward_ms"])
     out["backward_bound_ms"] = max(out["compute_backward_ms"], out["transfer_backward_ms"])
+    # each round's own bounds (the medians above come from different rounds, so their sum is not
+    # the median round's phase limit on a noisy machine; each round's is, exactly)
+    out["rounds"] = []
+    for pr, t in zip(rounds, transfer):
+        fwd, comp = max(r["compute_forward_s"] for r in pr), max(r["compute_s"] for r in pr)
+        out["rounds"].append({"forward_bound_ms": 1e3 * max(fwd, share * t),
+                              "backward_bound_ms": 1e3 * max(comp - fwd, (1 - share) * t)})
     if cfg.block == "layer" and not cfg.sequence_parallel:
         # without SP a layer's first forward transfer is the projection's all-reduce: none can leave
         # before the norm and the QKV GEMM (the replay's, timed) have run, whatever the schedule
