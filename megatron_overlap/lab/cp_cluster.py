@@ -18,15 +18,8 @@ Scales, each a factor the simulator (``cp/step_model.py``) is given too:
 Each round runs every variant once (order alternating) and the replay: the same compute with
 every exchange a local copy (no communication at all), the limit. Times, not numerics.
 
-The host, as on a GPU, does not wait for the device: a communication wait holds the emulated
-device until the transfer's deadline and lets the host go on once the real gloo op is done
-(``EmulatedLink.stream_waits``), the host runs up to ``HOST_AHEAD_S`` ahead of its device, the
-device starts the step that far behind the hosts' common start, and a step ends when the
-slowest device does. A host (16 ranks share 2 cores here) costs the device time only when it
-falls further behind than that (``late_ms``). Sleeping to every deadline instead put each rank's
-wake-up after every blocking exchange, and the real gloo messages' latency, into the device's
-time: at the slowest clock (70B, 512k) the blocking exchanges showed several times the
-simulated exposure.
+The hosts run ahead of their emulated devices, as on a GPU (``long_context_model.start_device``):
+a wait holds the device, not the host; a step ends when the slowest device does.
 """
 
 from __future__ import annotations
@@ -41,10 +34,9 @@ import torch
 import torch.distributed as dist
 
 from ..hdp.collector_pause import collector_paused
-from .long_context_model import EmulatedRanks
+from .long_context_model import EmulatedRanks, start_device
 
 REPLAY = "replay"
-HOST_AHEAD_S = 0.1  # wall s a rank's host may run ahead of its device (a GPU's launch queue holds a step)
 
 
 @dataclass(frozen=True)
@@ -116,8 +108,6 @@ class CPClusterRanks(EmulatedRanks):
         self.byte_factor = 1.0 / (self.costs.head_dim * cfg.row_unit)
         self.spec, self.free_spec, self.clock, self.link = emulated_two_tier(link, self.byte_factor, per_group, tf,
                                                                              cfg.ranks)
-        self.link.stream_waits = True  # a wait holds the emulated device, not the host (module docstring)
-        self.clock.ahead_s = HOST_AHEAD_S
         self.blocks = TimedBlocks(self.clock, self.costs.pair_ms * tf, self.costs.bwd_factor, self.costs.heads,
                                   cfg.row_unit)
         self.blocks.layers = per_group
@@ -154,9 +144,7 @@ class CPClusterRanks(EmulatedRanks):
         with self.blocks.installed(), local_exchanges() if replay else contextlib.nullcontext():
             t0 = _common_start()
             self.link.reset()  # the start's all-reduce is not the step's traffic
-            self.clock.reset()  # nor its wait, nor the margin after it, the step's device time
-            t0 += self.clock.ahead_s  # the device starts with every host as far ahead as it may run
-            self.clock.resume_at(t0)
+            t0 = start_device(self.clock, t0)  # nor its wait the step's device time
             c0 = time.thread_time()
             with collector_paused():
                 self.model.step(rows, rows * self.cfg.row_unit, attend)

@@ -21,7 +21,8 @@ element per head, one query and one key/value head: bytes on the wire are the mo
 ``1 / (kv_heads x head_dim)``, the link scaled to match. The lengths all-gather and the row
 exchange run before the clock starts, on a free link (the exchange moves 24 bytes per moved
 token: the cost model leaves it out). A barrier is a barrier of the devices: every rank resumes
-at the latest rank's device time (an all-reduce of the clocks).
+at the latest rank's device time (an all-reduce of the clocks). The hosts run ahead of their
+devices, as on a GPU (``long_context_model.start_device``).
 
 Each step is also run with every transfer free; exposed communication = step - that step.
 Times, not numerics.
@@ -41,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..hdp.collector_pause import collector_paused
-from .long_context_model import EmulatedRanks
+from .long_context_model import EmulatedRanks, start_device
 
 SCHEDULERS = ("hdp", "static", "megatron_balanced")
 VARIANTS = ("link", "free")
@@ -188,6 +189,7 @@ class HDPClusterRanks(EmulatedRanks):
         with self.blocks.installed(packed=True):
             t0 = _common_start()
             self.link.reset()  # the start's all-reduce is not the step's traffic
+            t0 = start_device(self.clock, t0)  # nor its wait the step's device time
             c0 = time.thread_time()
             with collector_paused():
                 for p in phases:
@@ -202,7 +204,7 @@ class HDPClusterRanks(EmulatedRanks):
                     if p != phases[-1]:
                         self._barrier(t0)
             self.clock.sync()
-            t1, c1 = time.perf_counter(), time.thread_time()
+            t1, c1 = self.clock.end, time.thread_time()  # the device's end, not the host's wake-up after it
         stats = self.link.reset()
         return {"wall_s": t1 - t0, "cpu_s": c1 - c0, "busy_s": self.clock.busy_s, "late_s": self.clock.late_s, "bytes": stats.total_bytes,
                 "bytes_by_tier": dict(stats.bytes_by_tier), "microbatches": len(mbs)}

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..hdp.collector_pause import collector_paused
-from .long_context_model import EmulatedRanks
+from .long_context_model import EmulatedRanks, start_device
 from .hdp_cluster import HDPLabConfig, LabAdapter, cost_and_link
 
 PP_SCHEDULERS = ("hdp", "static")
@@ -253,6 +253,7 @@ class HDPPipeRanks(EmulatedRanks):
         with self.blocks.installed(packed=True):
             t0 = _common_start()
             self.link.reset()
+            t0 = start_device(self.clock, t0)  # the hosts run ahead of their devices (as on a GPU)
             c0 = time.thread_time()
             with collector_paused():
                 for op, k in order:
@@ -278,7 +279,7 @@ class HDPPipeRanks(EmulatedRanks):
                 for w in sends:
                     w.wait()
             self.clock.sync()
-            t1, c1 = time.perf_counter(), time.thread_time()
+            t1, c1 = self.clock.end, time.thread_time()  # the device's end
         stats = self.link.reset()
         return {"wall_s": t1 - t0, "cpu_s": c1 - c0, "late_s": self.clock.late_s, "microbatches": len(mbs),
                 "bytes_by_tier": dict(stats.bytes_by_tier)}

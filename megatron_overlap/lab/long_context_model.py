@@ -1,5 +1,6 @@
 """A transformer whose compute is a wait, around the product's context-parallel attention: the
-long-context runs of the emulated cluster (``lab/cp_cluster.py``, ``lab/hdp_cluster.py``).
+long-context runs of the emulated cluster (``lab/cp_cluster.py``, ``lab/hdp_cluster.py``,
+``lab/hdp_pp_cluster.py``), and their link and device clock (``emulated_two_tier``, ``start_device``).
 
 Per layer group (``layers`` consecutive layers, every one alike), in autograd order::
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+
+HOST_AHEAD_S = 0.1  # wall s a rank's host may run ahead of its device (a GPU's launch queue holds a step)
 
 
 class _Wait(torch.autograd.Function):
@@ -86,10 +89,30 @@ def emulated_two_tier(link, byte_factor: float, per_group: int, time_factor: flo
     spec = LinkSpec.two_tier(link, byte_factor / (per_group * time_factor), per_group * time_factor)
     spec.check_world(world)
     free = LinkSpec(bandwidth_GBps=1e9, latency_us=0.0, ports="group")
-    clock = ComputeClock()
+    clock = ComputeClock(ahead_s=HOST_AHEAD_S)
     emulated = EmulatedLink(spec).install()
     emulated.clock = clock
+    emulated.stream_waits = True  # a wait holds the emulated device, not the host (start_device)
     return spec, free, clock, emulated
+
+
+def start_device(clock, t0: float) -> float:
+    """Start a step's emulated device at the hosts' common start ``t0`` (returned, moved): the
+    clock forgets the start's own all-reduce and the device begins ``HOST_AHEAD_S`` later, as a
+    GPU begins once its host has queued that far ahead.
+
+    The long-context labs' hosts, as on a GPU, do not wait for their devices: a communication wait
+    holds the emulated device until the transfer's deadline and lets the host go on once the real
+    gloo op is done (``EmulatedLink.stream_waits``); the host runs up to ``HOST_AHEAD_S`` ahead of
+    its device, and a step ends at the device's end (``clock.end`` after ``clock.sync()``). A host
+    (16 ranks share 2 cores here) costs the device time only when it falls further behind
+    (``clock.late_s``). Sleeping each host to every deadline instead charged its wake-up, and
+    gloo's real message latency, to the device: the CP lab's blocking exchanges showed several
+    times the simulated exposure at the slowest clock (BENCHMARKS.md, long context)."""
+    clock.reset()
+    t0 += clock.ahead_s
+    clock.resume_at(t0)
+    return t0
 
 
 def rank_samples(batches: Sequence[Sequence[int]], seed: int, index: int, count: int) -> list:
