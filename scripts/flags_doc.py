@@ -83,7 +83,8 @@ def command_flags() -> list:
                 continue
             value = "" if action.nargs == 0 else (action.metavar or (
                 "{" + ",".join(map(str, action.choices)) + "}" if action.choices else action.dest.upper()))
-            rows.append(f"| `{', '.join(action.option_strings)}` | {_cell(value)} | {_cell(action.help or '')} |")
+            text = parser._get_formatter()._expand_help(action) if action.help else ""  # as --help prints it ('%%': '%')
+            rows.append(f"| `{', '.join(action.option_strings)}` | {_cell(value)} | {_cell(text)} |")
         positional = [a.dest for a in parser._actions if not a.option_strings and a.dest != "help"]
         lines += ["", f"### `megatron-overlap {name}`" + (f" {' '.join(p.upper() for p in positional)}" if positional
                                                               else ""),
