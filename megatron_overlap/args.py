@@ -141,11 +141,12 @@ _OPTIONS = (  # (config field, argparse keywords); the flags: flag_names.FIELDS
         help="All-to-all group size of --overlap-cp hybrid (divides the context-parallel size).")),
     ("hdp.enabled", dict(
         action="store_true", default=False,
-        help="Hybrid data parallelism: all data-parallel ranks form one group; each sequence gets the fewest "
-        "ranks that hold it (ceil(L / C), a ring over those ranks) and work is balanced across ranks. With "
-        "--pipeline-model-parallel-size > 1 every rank runs the same number of micro-batches (similar lengths at "
-        "each index) under Megatron's 1F1B. Needs --context-parallel-size 1, --transformer-impl local, packed "
-        "variable-length data; not with Megatron's --hybrid-context-parallel.")),
+        help="Hybrid data parallelism: all data-parallel ranks form one group; each sequence gets a ring of "
+        "at least the ranks that hold it (ceil(L / C); wider where that shortens the step) and work is balanced "
+        "across ranks. With --pipeline-model-parallel-size > 1 every rank runs the same number of micro-batches "
+        "(similar lengths at each index) under Megatron's 1F1B or --overlap-pp 1f1b / zb. Needs "
+        "--context-parallel-size 1, --transformer-impl local, --calculate-per-token-loss, packed documents "
+        "(--reset-attention-mask --reset-position-ids); not with Megatron's --hybrid-context-parallel.")),
     ("hdp.max_tokens", dict(
         type=_count("hdp.max_tokens", 1, "a whole number of tokens"), default=None, metavar="C",
         help="Tokens one rank holds in one micro-batch under --overlap-hdp (padding included).")),
@@ -156,8 +157,9 @@ _OPTIONS = (  # (config field, argparse keywords); the flags: flag_names.FIELDS
         "and waited just before use; zb: zero bubble, each backward split into its input gradient (B) and its "
         "weight gradients (W, run where the stage would wait; ZB-H1's memory); with a virtual pipeline both take "
         "Megatron's interleaved placement; zbv: ZB-V, exactly 2 model chunks per stage in a V (virtual "
-        "pipelines only); auto: zb where the weight gradients can be deferred, else 1f1b (with a virtual "
-        "pipeline: the cost model's fastest of Megatron's interleaved schedule, zb, zbv).")),
+        "pipelines only); auto: on a GPU the cost model knows, the faster of 1f1b and zb by it, else zb where the "
+        "weight gradients can be deferred, else 1f1b (with a virtual pipeline: the cost model's fastest of "
+        "Megatron's interleaved schedule, zb, zbv).")),
     ("pp.max_inflight", dict(
         type=_count("pp.max_inflight", 2, "a whole number of micro-batches"), default=None, metavar="K",
         help="Micro-batches forwarded by the first stage before its first backward, K in [PP size, number of "

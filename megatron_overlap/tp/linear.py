@@ -41,61 +41,39 @@ _custom_bwd = torch.amp.custom_bwd(device_type="cuda")
 
 
 class GatherSlot:
-    """The all-gather of a Column linear's input shard ``x [s, ...]`` for its wgrad, in up to
-    two async collectives: rows ``[0, s_early)`` of every rank, startable early (by the Row
-    linear whose backward runs just before), and the rest, started by the Column backward.
+    """The all-gather of a Column linear's input shard ``x [s, ...]`` for its wgrad, one async
+    collective started early by the Row linear whose backward runs just before (``start``), or,
+    where none did (the output layer), by the Column backward itself.
 
-    Without sub-batches the Row starts the whole gather once its own grad-output pieces have
-    arrived (after its dgrad ring, so they never queue behind it): on one egress port the same
-    bytes then sit ahead of the Column's reduce-scatter, only issued earlier, and where attention
-    sits between proj and qkv its backward (~95 ms of compute with an idle link on the demo's
-    tiny GPT) carries it whole. Traced on the demo (2026-12-05): the QKV backward's exposed wait
-    fell by about the rest's transfer time per layer (BENCHMARKS.md, the CPU demo). Sub-batches
-    keep the split: ``prefetch_fraction`` of the rows early (``start_early``), the rest with the
-    Column's reduce-scatter, or the whole at the first part (``sub_batch.gather_whole_early``).
+    The Row starts the whole gather once its own grad-output pieces are posted (after its dgrad
+    ring, so they never queue behind it): on one egress port the same bytes then sit ahead of the
+    Column's reduce-scatter, only issued earlier, and where attention sits between proj and qkv
+    its backward (~95 ms of compute with an idle link on the demo's tiny GPT) carries it whole.
+    Traced on the demo (2026-12-05): the QKV backward's exposed wait fell by about the gather's
+    transfer time per layer (BENCHMARKS.md, the CPU demo). Sub-batches do the same per part (an
+    MLP part's fc1 input), and the attention's first part to run starts the whole QKV input
+    (``sub_batch.gather_whole_early``).
     """
 
-    def __init__(self, x_shard: torch.Tensor, group: dist.ProcessGroup, early_fraction: float):
+    def __init__(self, x_shard: torch.Tensor, group: dist.ProcessGroup):
         self._x = x_shard
         self._group = group
-        self._early_rows = int(round(x_shard.shape[0] * early_fraction))
-        self._parts: list = []  # (first row, rows, buffer [R, rows, ...], work)
-
-    def _gather(self, first: int, rows: int):
-        if rows == 0:
-            return
-        x = self._x[first : first + rows].contiguous()
-        size = dist.get_world_size(self._group)
-        buf = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
-        work = all_gather_into(buf.view(size * rows, *x.shape[1:]), x, self._group, async_op=True)
-        self._parts.append((first, rows, buf, work))
-
-    def start_early(self):
-        if self._x is not None and not self._parts and self._early_rows < self._x.shape[0]:
-            self._gather(0, self._early_rows)
+        self._gather = None  # (buffer [R*s, ...], work) once started
 
     def start(self):
-        if self._x is None:
+        if self._x is None or self._gather is not None:
             return
-        done = sum(rows for _, rows, _, _ in self._parts)
-        self._gather(done, self._x.shape[0] - done)
+        x = self._x.contiguous()
+        size = dist.get_world_size(self._group)
+        buf = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self._gather = (buf, all_gather_into(buf, x, self._group, async_op=True))
 
     def take(self) -> torch.Tensor:
         """The gathered input ``[R*s, ...]`` in rank order, exactly as one all-gather gives it."""
         self.start()
-        x, parts = self._x, self._parts
-        self._x, self._parts = None, []
-        size = dist.get_world_size(self._group)
-        what = "all-gather of the wgrad input"
-        if len(parts) == 1:
-            _, _, buf, work = parts[0]
-            waits.wait(work, what, self._group)
-            return buf.view(size * x.shape[0], *x.shape[1:])
-        full = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
-        for first, rows, buf, work in parts:
-            waits.wait(work, what, self._group)
-            full[:, first : first + rows].copy_(buf)
-        return full.view(size * x.shape[0], *x.shape[1:])
+        (buf, work), self._x, self._gather = self._gather, None, None
+        waits.wait(work, "all-gather of the wgrad input", self._group)
+        return buf
 
 
 @dataclass
@@ -179,7 +157,7 @@ class ColumnParallelSP(torch.autograd.Function):
         ctx.use_bias = bias is not None
         ctx.wgrad, ctx.comm = wgrad, comm
         ctx.where = waits.current()  # the backward's waits say which layer they belong to
-        ctx.slot = GatherSlot(input, comm.group, comm.plan.prefetch_fraction if comm.prefetch is not None else 0.0)
+        ctx.slot = GatherSlot(input, comm.group)
         if comm.prefetch is not None:
             comm.prefetch.offer(comm.group, ctx.slot)
         gathered = comm.sub[0].gathered("x", comm.sub[1]) if comm.sub is not None else None

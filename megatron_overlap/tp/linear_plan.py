@@ -1,8 +1,7 @@
 """How each overlapped linear runs (``TPPlan``, plain data) and who decides it (``TPPlanner``).
 
-A plan is the decomposition of one linear's collectives: the pieces its shard is cut into, the
-reduce-scatter algorithm, and the fraction of the Column wgrad input the Row backward
-prefetches. It holds no process group and no backend (those travel beside it, ``linear.TPComm``),
+A plan is the decomposition of one linear's collectives: the pieces its shard is cut into and the
+reduce-scatter algorithm. It holds no process group and no backend (those travel beside it, ``linear.TPComm``),
 so it can be printed, cached and compared across ranks.
 
 The planner owns every rule that picks one:
@@ -28,12 +27,10 @@ from ..comm.rings import Piece, split_pieces
 
 @dataclass(frozen=True)
 class TPPlan:
-    """One linear's decomposition: ``pieces`` of its shard, ``rs_algo`` (``ring`` | ``a2a``), and
-    the fraction of the Column wgrad input's rows gathered during the Row backward."""
+    """One linear's decomposition: ``pieces`` of its shard and ``rs_algo`` (``ring`` | ``a2a``)."""
 
     pieces: tuple[Piece, ...]
     rs_algo: str = "ring"
-    prefetch_fraction: float = 0.5
 
     def describe(self) -> str:
         return f"{len(self.pieces)} pieces {[p.rows for p in self.pieces]}, {self.rs_algo}"

@@ -49,8 +49,9 @@ class SubBatches:
     def __init__(self, group: dist.ProcessGroup, sizes: Sequence[int], row=None):
         self.group, self.sizes, self.row = group, list(sizes), row  # row: the Row linear whose output is cut
         self.n = len(self.sizes)
-        # the Column input re-gather the Row backward starts early: all of it when what runs in between
-        # has no transfers of its own (a core attention's backward), else the plan's fraction
+        # the attention's cut: the first part's Row backward starts the whole QKV input re-gather (what
+        # runs in between, the parts' core attention backwards, has no transfers of its own); an MLP
+        # part's Row starts its own part's fc1 input re-gather
         self.gather_whole_early = False
         self.slot = None  # that Column's re-gather (linear.GatherSlot), claimed by part 0's Row forward
         self.index = 0  # the sub-batch the forward is running

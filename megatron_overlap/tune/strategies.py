@@ -5,16 +5,16 @@
     row fwd      GEMM, then RS(y)                                             (exposed)
     row bwd      AG(dy) (``_ReduceScatterToSequenceParallelRegion.backward``), then dgrad, wgrad
     column bwd   async AG(x) beside dgrad; wait; async RS(dgrad) beside wgrad; wait
-``p2p`` (this plugin, ``ops/linear.py``): chunked rings, the own shard in one GEMM, pieces
+``p2p`` (this plugin, ``tp/linear.py``, ``tp/backends/p2p.py``): chunked rings, the own shard in one GEMM, pieces
     forwarded as they land; RS partials per piece (ring: running sums; a2a: straight to the
     owner, added there); the row bwd gathers dy by ring, then starts the AG of
     ``prefetch_fraction`` of the preceding column's input and runs the wgrad whole once dy is
-    all there; the column bwd gathers the rest, runs the RS of its dgrad pieces, and its wgrad
-    waits for both halves. NCCL kernels take SMs (``HardwareSpec.nccl_sm_fraction``).
+    all there (the code gathers it whole: 1.0); the column bwd gathers the rest, runs the RS of
+    its dgrad pieces, and its wgrad waits for both. NCCL kernels take SMs (``HardwareSpec.nccl_sm_fraction``).
 ``symm-mem`` (PyTorch Async TP): one chunk per rank, copy-engine copies straight from / to the
     owner (no SM contention); RS as all-to-all + local reduce; the column bwd's re-gather of x
-    is a plain NCCL all-gather beside dgrad, as stock.
-``fused`` (this plugin's Triton backend, ``ops/fused.py``, as implemented, not Flux's ideal):
+    is a plain NCCL all-gather started by the row bwd before it, as p2p's (``fused`` too).
+``fused`` (this plugin's Triton backend, ``tp/backends/fused.py``, as implemented, not Flux's ideal):
     AG side: one GEMM whose tiles wait on chunk arrivals, the chunks brought by the NCCL P2P
     ring (SM contention), max(GEMM, transfer + fill) with fill the GEMM of the last
     1 / (R * fill_chunks) of the rows. RS side: the GEMM kernel writes every owner's slot, and
@@ -59,7 +59,7 @@ class Strategy:
     name: str = "megatron"
     chunks: int = 0  # p2p: chunks per rank; 0 = the plugin's rule (tapered, <= 5)
     rs: str = "ring"  # p2p: ring | a2a
-    prefetch_fraction: float = 0.5
+    prefetch_fraction: float = 1.0  # of the column's input re-gathered early by the row bwd: the code's, whole
     fused_fill_chunks: int = 4
     fused_slowdown: Optional[float] = None  # None: measured for fused, 0 for flux (the paper's kernels)
     sub_batches: int = 1  # p2p / symm-mem: attention and MLP blocks cut into this many row parts (strategy_sim.py)
@@ -281,8 +281,12 @@ def linear_bwd(g: Graph, ctx: Ctx, op: Linear, ready: list, prefetch=None, next_
             last = copies_consume(g, ctx, f"{name} dgrad", ready, T / R * op.n * d, dgrad_of)
         else:
             last = fused_gather(g, ctx, f"{name} dgrad", ready, T * op.n * d, dgrad_of)
+        handle = None
+        if next_column is not None and s.prefetch_fraction > 0 and s.name != "flux":  # as p2p's (tp/linear.py)
+            early = all_gather_cost(T * s.prefetch_fraction * next_column.k * d, R, ctx.link)
+            handle = g.transfer(f"{next_column.name} bwd AG(x) early", early, [last], sm_comm=ctx.sm)
         g.compute(f"{name} wgrad", wgrad_ms, [last])
-        return [last], None
+        return [last], handle
 
     dgrad_of = lambda m: ctx.gemm(m, op.k, op.n / R)  # noqa: E731
     wgrad_ms = ctx.gemm(op.n / R, op.k, T)
@@ -304,7 +308,12 @@ def linear_bwd(g: Graph, ctx: Ctx, op: Linear, ready: list, prefetch=None, next_
         late = g.transfer(f"{name} AG(x)", all_gather_cost(T * rest * op.k * d, R, ctx.link), ready, sm_comm=ctx.sm)
         wgrad = lambda own: g.compute(f"{name} wgrad", wgrad_ms, [own, late, prefetch], contended=True)  # noqa: E731
         return [_ring_reduce_scatter(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, ctx.pieces(), s.rs, wgrad)], None
-    ag = g.transfer(f"{name} AG(x)", all_gather_cost(T * op.k * d, R, ctx.link), ready, sm_comm=ctx.sm)
+    if prefetch is not None and s.name in ("symm-mem", "fused"):  # the Row before started it (tp/linear.py)
+        rest = 1.0 - s.prefetch_fraction
+        late = g.transfer(f"{name} AG(x)", all_gather_cost(T * rest * op.k * d, R, ctx.link), ready, sm_comm=ctx.sm)
+        ag = g.compute(f"{name} AG(x) in", 0.0, [late, prefetch])
+    else:
+        ag = g.transfer(f"{name} AG(x)", all_gather_cost(T * op.k * d, R, ctx.link), ready, sm_comm=ctx.sm)
     if s.name == "megatron":
         dx = g.compute(f"{name} dgrad", dgrad_of(T), ready, contended=True)
         rs = g.transfer(f"{name} RS(dx)", reduce_scatter_cost(T * op.k * d, R, ctx.link), [dx, ag], sm_comm=ctx.sm)

@@ -106,8 +106,7 @@ def simulate_ops(ops: list, ctx: Ctx, training: bool) -> OpsResult:
     elif training:
         prefetch: dict = {}
         # per-op: a Row starts the Column's whole input re-gather once its own pieces are in
-        # (tp.linear.GatherSlot.start); only sub-batches split it at ``prefetch_fraction``
-        ctx = dataclasses.replace(ctx, strategy=dataclasses.replace(ctx.strategy, prefetch_fraction=1.0))
+        # (tp.linear.GatherSlot.start; ``Strategy.prefetch_fraction`` 1.0)
         for index in range(len(ops) - 1, -1, -1):
             op = ops[index]
             if not isinstance(op, Linear):

@@ -158,7 +158,7 @@ def _row_backward(g, part, op, ready, state, next_column, fraction, j):
         r = [g.compute(f"{op.name} bwd dgrad", dgrad_of(T), [state["ahead"], *ready], contended=True)]
     state["ahead"] = _gather(g, part, f"{op.name} bwd dy", T * op.n, r) if j > 0 else None
     handle = None
-    if next_column is not None and fraction > 0 and part.strategy.name == "p2p":  # symm-mem: beside dgrad, as stock
+    if next_column is not None and fraction > 0:  # every backend's Row starts it (tp/linear.py)
         handle = _gather(g, part, f"{next_column.name} bwd x early", T * fraction * next_column.k, r)
     g.compute(f"{op.name} bwd wgrad", part.gemm(op.n, op.k / R, T), r, contended=True)
     return r, handle

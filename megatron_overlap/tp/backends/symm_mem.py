@@ -6,8 +6,8 @@
 
 Backward composes them like the other backends: the Column dgrad is a matmul-reduce-scatter,
 the Row dgrad an all-gather-matmul that also returns the gathered grad-output for the wgrad
-(``return_A``). The Column wgrad input is **re-gathered** (half of it prefetched by the Row
-backward, as for ``p2p``), not kept from the forward: keeping it would hold one gathered
+(``return_A``). The Column wgrad input is **re-gathered** (started by the Row backward once its
+own pieces are in, as for ``p2p``: ``tp/linear.py`` ``GatherSlot``), not kept from the forward: keeping it would hold one gathered
 activation ``[S, b, h]`` per Column linear per micro-batch until its backward; re-gathering
 costs one all-gather of the input per Column linear, as stock Megatron does.
 
