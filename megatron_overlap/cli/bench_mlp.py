@@ -94,8 +94,7 @@ def summarize(cfg: MLPBench, rounds: list, closing: list) -> dict:
         }
     for mode in cfg.modes:
         result[mode]["free_link_step_ms"] = statistics.median(
-            1e3 * max(r[f"{mode}_free"]["wall_s"] for r in per_rank) for per_rank in rounds
-        )
+            1e3 * max(r[f"{mode}_free"]["wall_s"] for r in per_rank) for per_rank in rounds)
     limit = max(compute_ms, result["stock"]["comm_ms"])
     result["limit_ms"] = limit
     # The same bound with the program's own compute (stock Megatron on a free link: GEMMs plus
