@@ -124,3 +124,9 @@ def test_a_flag_that_never_rises_ends_the_kernel_with_an_error_naming_the_chunk(
     received = torch.randn(3, 8, 16, generator=gen)
     with pytest.raises(FlagWaitTimeout, match="reduce_slots: the ready flag of slot 1 was not raised"):
         reduce_slots(received, torch.tensor([1, 0, 1], dtype=torch.int32), [0, 1, 2], block=16, max_spins=20)
+
+
+def test_gpu_check_takes_ranks_as_every_command_spells_it():
+    from megatron_overlap.kernels.bench.gpu_check import _args
+
+    assert _args(["--ranks", "4"]).world == 4 and _args(["--world", "4"]).world == 4 and _args([]).world == 8

@@ -32,7 +32,8 @@ def _args(argv=None):
     p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--interpret", action="store_true", help="CPU, Triton interpreter, tiny fp32 shapes")
     p.add_argument("--json", default="", help="write the full results here")
-    p.add_argument("--world", type=int, default=8, help="virtual ranks of the emulation")
+    p.add_argument("--ranks", "--world", dest="world", type=int, default=8,
+                   help="virtual ranks of the emulation (--world: the old spelling)")
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--k", type=int, default=8192)
