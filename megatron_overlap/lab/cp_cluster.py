@@ -144,7 +144,7 @@ class CPClusterRanks(EmulatedRanks):
         with self.blocks.installed(), local_exchanges() if replay else contextlib.nullcontext():
             t0 = _common_start()
             self.link.reset()  # the start's all-reduce is not the step's traffic
-            t0 = start_device(self.clock, t0)  # nor its wait the step's device time
+            t0 = start_device(self.clock, t0)  # the device starts here, after the start's all-reduce
             c0 = time.thread_time()
             with collector_paused():
                 self.model.step(rows, rows * self.cfg.row_unit, attend)

@@ -189,7 +189,7 @@ class HDPClusterRanks(EmulatedRanks):
         with self.blocks.installed(packed=True):
             t0 = _common_start()
             self.link.reset()  # the start's all-reduce is not the step's traffic
-            t0 = start_device(self.clock, t0)  # nor its wait the step's device time
+            t0 = start_device(self.clock, t0)  # the device starts here, after the start's all-reduce
             c0 = time.thread_time()
             with collector_paused():
                 for p in phases:

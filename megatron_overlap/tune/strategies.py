@@ -271,21 +271,15 @@ def linear_bwd(g: Graph, ctx: Ctx, op: Linear, ready: list, prefetch=None, next_
             return [dx], None
         if s.name == "p2p":
             last, _ = _ring_gather_consume(g, ctx, f"{name} dgrad", ready, op.n * d, dgrad_of, ctx.pieces())
-            handle = None
-            if next_column is not None and s.prefetch_fraction > 0:
-                early = all_gather_cost(T * s.prefetch_fraction * next_column.k * d, R, ctx.link)
-                handle = g.transfer(f"{next_column.name} bwd AG(x) early", early, [last], sm_comm=ctx.sm)
-            g.compute(f"{name} wgrad", wgrad_ms, [last], contended=True)
-            return [last], handle
-        if s.name == "symm-mem":
+        elif s.name == "symm-mem":
             last = copies_consume(g, ctx, f"{name} dgrad", ready, T / R * op.n * d, dgrad_of)
         else:
             last = fused_gather(g, ctx, f"{name} dgrad", ready, T * op.n * d, dgrad_of)
-        handle = None
-        if next_column is not None and s.prefetch_fraction > 0 and s.name != "flux":  # as p2p's (tp/linear.py)
+        handle = None  # every backend of the code starts the next column's re-gather here (tp/linear.py)
+        if next_column is not None and s.prefetch_fraction > 0 and s.name != "flux":
             early = all_gather_cost(T * s.prefetch_fraction * next_column.k * d, R, ctx.link)
             handle = g.transfer(f"{next_column.name} bwd AG(x) early", early, [last], sm_comm=ctx.sm)
-        g.compute(f"{name} wgrad", wgrad_ms, [last])
+        g.compute(f"{name} wgrad", wgrad_ms, [last], contended=s.name == "p2p")
         return [last], handle
 
     dgrad_of = lambda m: ctx.gemm(m, op.k, op.n / R)  # noqa: E731
@@ -303,17 +297,12 @@ def linear_bwd(g: Graph, ctx: Ctx, op: Linear, ready: list, prefetch=None, next_
             return [g.compute(f"{name} wait", 0.0, [ar])], None
         g.compute(f"{name} wgrad", wgrad_ms, [dx])
         return [dx], None
+    rest = 1.0 - (s.prefetch_fraction if prefetch is not None else 0.0)  # the Row before started the rest
+    late = g.transfer(f"{name} AG(x)", all_gather_cost(T * rest * op.k * d, R, ctx.link), ready, sm_comm=ctx.sm)
     if s.name == "p2p":
-        rest = 1.0 - (s.prefetch_fraction if prefetch is not None else 0.0)
-        late = g.transfer(f"{name} AG(x)", all_gather_cost(T * rest * op.k * d, R, ctx.link), ready, sm_comm=ctx.sm)
         wgrad = lambda own: g.compute(f"{name} wgrad", wgrad_ms, [own, late, prefetch], contended=True)  # noqa: E731
         return [_ring_reduce_scatter(g, ctx, f"{name} dgrad", ready, op.k, dgrad_of, ctx.pieces(), s.rs, wgrad)], None
-    if prefetch is not None and s.name in ("symm-mem", "fused"):  # the Row before started it (tp/linear.py)
-        rest = 1.0 - s.prefetch_fraction
-        late = g.transfer(f"{name} AG(x)", all_gather_cost(T * rest * op.k * d, R, ctx.link), ready, sm_comm=ctx.sm)
-        ag = g.compute(f"{name} AG(x) in", 0.0, [late, prefetch])
-    else:
-        ag = g.transfer(f"{name} AG(x)", all_gather_cost(T * op.k * d, R, ctx.link), ready, sm_comm=ctx.sm)
+    ag = late if prefetch is None else g.compute(f"{name} AG(x) in", 0.0, [late, prefetch])
     if s.name == "megatron":
         dx = g.compute(f"{name} dgrad", dgrad_of(T), ready, contended=True)
         rs = g.transfer(f"{name} RS(dx)", reduce_scatter_cost(T * op.k * d, R, ctx.link), [dx, ag], sm_comm=ctx.sm)

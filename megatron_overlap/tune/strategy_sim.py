@@ -20,8 +20,6 @@ share"); ``comm_ms`` the TP transfers' link time (busy + latency) per step.
 
 from __future__ import annotations
 
-import dataclasses
-
 import math
 from dataclasses import dataclass, field
 
