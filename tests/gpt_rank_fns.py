@@ -148,3 +148,25 @@ def gpt_losses_and_grads(tp: int, steps: int, flags: list[str], overlap_grad_red
         return {"losses": losses, "grads": grads, "calls": calls}
     finally:
         install([])
+
+
+def gpt_grads_key_value_summed_per_part(tp: int, steps: int, flags: list[str]) -> dict:
+    """``gpt_losses_and_grads`` with the cut attention's layout check answering "not as rebuilt"
+    (another Megatron-core): each part then sums its own key and value gradients. Also the
+    notice keys the installation gave."""
+    from megatron_overlap.integration import attention_parts
+    from megatron_overlap.integration.install import find_installation
+
+    seen = []
+    check = attention_parts.CutAttention._laid_out_as_rebuilt
+
+    def other_layout(self, q, record):
+        seen.append(find_installation())
+        return False
+
+    attention_parts.CutAttention._laid_out_as_rebuilt = other_layout
+    try:
+        out = gpt_losses_and_grads(tp, steps, flags, False)
+    finally:
+        attention_parts.CutAttention._laid_out_as_rebuilt = check
+    return {**out, "checks": len(seen), "noticed": sorted(set().union(*(inst._noticed for inst in seen)))}

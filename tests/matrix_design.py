@@ -95,8 +95,9 @@ FEATURES: Tuple[Feature, ...] = (
             calls=("tp.column", "tp.row")),
     Feature("tp-sub-batches", 4, TP2, ("--overlap-tp", "p2p", "--overlap-tp-sub-batches", "2"), 4, TP2,
             rel={"fp32": 1e-6, "bf16": 1e-4},
-            why="the weight and key/value gradients are summed per sub-batch (a few ulp from one GEMM's sum; "
-                "measured at most 2.3e-5 in bf16, 2026-12-04)",
+            why="Megatron-LM's linears have biases by default, and fc1's is added inside the activation once "
+                "per sub-batch, so its gradient is summed per part (a few ulp); without biases the cut is stock's "
+                "bits (tests/test_pretrain_gpt.py)",
             calls=("tp.sub_batches",)),
     Feature("tp-no-sp", 4, _TP2_NO_SP, ("--overlap-tp", "p2p"), 4, _TP2_NO_SP, calls=("tp.column_ar", "tp.row_ar")),
     Feature("tp-no-sp-fusion", 4, _TP2_NO_SP, ("--overlap-tp", "p2p", "--overlap-tp-allreduce-fusion"), 4,

@@ -61,14 +61,29 @@ def test_tensor_and_context_parallel_together_train_like_tensor_parallel():
 def test_sub_batches_train_like_stock():
     """`--overlap-tp-sub-batches 2` through the real script, dropout
     off so the attention is cut too: every attention and MLP block of every iteration ran cut,
-    and the losses are stock's within 1e-6 (the weight and key/value gradients are summed per
-    part, a few ulp from one GEMM; over these 5 iterations the losses even come out equal)."""
+    and the losses are stock's within 1e-6 (Megatron-LM's linears have biases by default, and
+    fc1's is added inside the activation once per part, so its gradient is summed per part; over
+    these 5 iterations the losses even come out equal)."""
     stock = train("stock", 2, TP2 + NO_DROPOUT)
     ours = train("plugin", 2, TP2 + NO_DROPOUT + ("--overlap-tp", "p2p", "--overlap-tp-sub-batches", "2"))
     # 2 ranks x 5 iterations x 2 micro-batches x 2 layers: every attention and every MLP block
     assert ours["calls"].get("tp.sub_batches") == ours["calls"].get("tp.sub_batches.attention") == 40, ours
     for a, b in zip(ours["losses"], stock["losses"]):
         assert abs(a - b) <= 1e-6 * abs(b), (ours["losses"], stock["losses"])
+
+
+def test_sub_batches_without_biases_are_stocks_bits_with_the_distributed_optimizer():
+    """TP=2 x DP=2, no linear biases (Llama-style), the distributed optimizer with overlapped grad
+    reduce and param gather, ``--clip-grad`` (a grad norm per iteration): every loss and grad norm
+    of the cut run is stock's bit for bit (``==``): each weight gradient is one GEMM over every
+    part's rows and the keys' and values' gradients are stock's two GEMMs over all query rows."""
+    flags = TP2 + NO_DROPOUT + ("--disable-bias-linear", "--clip-grad", "1.0", "--use-distributed-optimizer",
+                                "--overlap-grad-reduce", "--overlap-param-gather", "--global-batch-size", "8")
+    stock = train("stock", 4, flags)
+    ours = train("plugin", 4, flags + ("--overlap-tp", "p2p", "--overlap-tp-sub-batches", "2"))
+    assert ours["calls"].get("tp.sub_batches") == ours["calls"].get("tp.sub_batches.attention") > 0, ours
+    assert len(stock["grad_norms"]) == 5 and all(g is not None and g > 0 for g in stock["grad_norms"]), stock
+    assert ours["losses"] == stock["losses"] and ours["grad_norms"] == stock["grad_norms"], (ours, stock)
 
 
 @pytest.mark.parametrize("mode", ["1f1b", "zb"])

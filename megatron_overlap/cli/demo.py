@@ -213,8 +213,8 @@ def _losses(result: dict) -> str:
         return "losses identical at every step"
     cut = result.get("choice", {}).get("sub_batches") not in (None, 1, "auto")
     return (f"losses differ by at most {diff:.1e} (relative)" + (
-        ": the sub-batches sum each cut linear's and the keys' and values' gradients per part, a few ulp from one "
-        "GEMM (per-op overlap, --overlap-tp-sub-batches 1, keeps stock's bits)" if cut else ""))
+        ": with linear biases, fc1's bias gradient is summed per sub-batch, a few ulp from stock's (per-op "
+        "overlap, --overlap-tp-sub-batches 1, keeps stock's bits)" if cut else ""))
 
 
 def _table_only(line: str) -> None:

@@ -10,6 +10,7 @@
     baselines.py   megatron-core's BalancedCPScheduler as an HDP plan (the benchmarks' peer)
     allreduce_fusion.py   --overlap-tp-allreduce-fusion in Megatron's transformer layer -> tp
     sub_batches.py        --overlap-tp-sub-batches in Megatron's transformer layer -> tp
+    attention_parts.py    a sub-batched core attention with stock's key/value gradients
     embedding_grad.py     the embedding's SP grad all-gather with the held-back wgrads -> tp
     norms.py       Megatron's torch norm under sequence parallelism
     hdp_loop.py    Megatron-LM's training loop -> hdp (--overlap-hdp through pretrain_gpt.py)

@@ -13,6 +13,13 @@ attention computes. ``Attention.forward`` then gets the parts' context rows put 
 computed from them; anything between the two that would change that tensor (an output gate,
 packed THD, recompute, offloading) makes the attention run whole instead, said once.
 
+Numerics: stock's bits. Every forward row and input-gradient row is computed as stock computes
+it; each weight gradient is one GEMM over every part's rows (``SubBatches.collect``), and the
+keys' and values' gradients are stock's two GEMMs over all query rows
+(``integration/attention_parts.py``; it keeps a second copy of the attention probabilities
+until the backward). With ``add_bias_linear``, fc1's bias is added inside Megatron's activation,
+per part, so its gradient is summed per sub-batch (a few ulp).
+
 Without sequence parallelism every rank holds the whole sequence: the parts are row ranges of
 it, the linears take the all-reduce path (``tp/linear_ar.py``), and part j's all-reduces (fc2's
 and the projection's in forward, fc1's dgrad in backward) travel while part j + 1 computes,
@@ -32,6 +39,7 @@ import torch
 
 from ..errors import OverlapConfigError
 from ..tp.sub_batch import Join, Split, SubBatches, split_sizes
+from .attention_parts import AttentionPart, CutAttention
 
 
 def patch(inst) -> None:
@@ -153,6 +161,7 @@ def _core_forward(inst, original):
         sub = SubBatches(proj.tp_group, split_sizes(total // size, n), row=proj)
         sub.gather_whole_early = True  # the parts' attention backwards run between the first projection's and QKV
         mask = attention_mask if attention_mask is not None else _causal_mask(self, total, key.shape[0], query.device)
+        cut = CutAttention(n, query, key, value, inst.notice_once) if torch.is_grad_enabled() else None
         outer, inst.sub_batch = inst.sub_batch, sub
         parts, outs, bias = [], [], None
         try:
@@ -163,7 +172,11 @@ def _core_forward(inst, original):
                                                 device=query.device) for r in range(size)])
                 first += rows
                 rows_mask = mask.index_select(-2, index) if mask is not None and mask.shape[-2] == total else mask
-                context = original(self, query.index_select(0, index), key, value, rows_mask, *args, **kwargs)
+                if cut is None:  # no backward: Megatron's forward on the part's query rows
+                    context = original(self, query.index_select(0, index), key, value, rows_mask, *args, **kwargs)
+                else:
+                    run = functools.partial(_run_part, original, self, rows_mask, args, kwargs)
+                    context = AttentionPart.apply(query, key, value, cut, j, index, run)
                 out, bias = proj(context)
                 parts.append((index, context))
                 outs.append(out)
@@ -178,6 +191,10 @@ def _core_forward(inst, original):
         return whole
 
     return forward
+
+
+def _run_part(original, core, rows_mask, args, kwargs, query, key, value):
+    return original(core, query, key, value, rows_mask, *args, **kwargs)
 
 
 def _causal_mask(core, sq: int, sk: int, device):

@@ -13,7 +13,8 @@ Row (weight ``w [n, k]``, this rank's k = K / R input rows)
     dgrad     dx [S, b, k] = AG(dy [s, b, n]) @ w                 ring AG -> GEMM per piece
     wgrad     dw [n, k]    = AG(dy)^T @ x                          one GEMM after the gather
 
-The wgrad GEMMs stay whole, so they give the same bits as stock Megatron's. A Row linear's
+The wgrad GEMMs stay whole, so they give the same bits as stock Megatron's (under sub-batches,
+one GEMM over every part's rows at the last part: ``SubBatches.collect``). A Row linear's
 backward also starts, once its own ring is done, the re-gather of the input of the Column
 linear that ran just before it in forward (fc1 before fc2, qkv before proj): it travels during
 the Row's wgrad and the ops between the two (attention's whole backward between proj and qkv)
@@ -141,6 +142,16 @@ def _wgrad(weight, grad_2d, input_2d, wgrad: WgradOptions, like, comm: TPComm):
     return weight_gradient(weight, grad_2d, input_2d, wgrad.accumulation_fusion, like)
 
 
+def collected_wgrad(weight, rows, wgrad: WgradOptions, like, comm: TPComm, use_bias: bool):
+    """A sub-batch's weight and bias gradients: None until the last part's backward (``rows`` None),
+    then stock's, from ``rows`` = (grad-output, input) of every part in stock's row order
+    (``SubBatches.collect``)."""
+    if rows is None:
+        return None, None
+    grad_2d, input_2d = as_2d(*rows)
+    return _wgrad(weight, grad_2d, input_2d, wgrad, like, comm), (grad_2d.sum(dim=0) if use_bias else None)
+
+
 class ColumnParallelSP(torch.autograd.Function):
     """ColumnParallelLinear + sequence parallelism, all communication overlapped."""
 
@@ -192,12 +203,16 @@ class ColumnParallelSP(torch.autograd.Function):
         if comm.wgrad is not None:
             comm.wgrad.run(older_than=mark)  # while the partials and the input re-gather travel
 
-        if wgrad_compute:
+        if wgrad_compute and comm.sub is not None:  # one GEMM over every part's rows, at the last part
+            rows = comm.sub[0].collect("column", comm.sub[1], grad_output, slot.take())
+            grad_weight, grad_bias = collected_wgrad(weight, rows, wgrad, input, comm, ctx.use_bias)
+        elif wgrad_compute:
             grad_output, total_input = as_2d(grad_output, slot.take())
             grad_weight = _wgrad(weight, grad_output, total_input, wgrad, input, comm)
+            grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
         else:
             grad_weight = weight_gradient(weight, None, None, wgrad.accumulation_fusion, input)
-        grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
+            grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None  # as stock (3-D here)
         if comm.sub is not None:  # waited once every chain has run (sub_batch.Split)
             comm.sub[0].defer("dx", comm.sub[1], pending)
             return torch.empty_like(input), grad_weight, grad_bias, None, None
@@ -262,8 +277,11 @@ class RowParallelSP(torch.autograd.Function):
             # during this wgrad and whatever runs before the Column's backward (all of attention's
             # backward, between proj and qkv), and the Column's reduce-scatter finds less ahead
             slot.start()
-        grad_2d, input_2d = as_2d(gathered, input)
-        grad_weight = _wgrad(weight, grad_2d, input_2d, wgrad, input, comm)
+        if comm.sub is not None:  # one GEMM over every part's rows, at the last part
+            rows = comm.sub[0].collect("row", comm.sub[1], gathered, input)
+            grad_weight, _ = collected_wgrad(weight, rows, wgrad, input, comm, False)
+        else:
+            grad_weight = _wgrad(weight, *as_2d(gathered, input), wgrad, input, comm)
         return grad_input, grad_weight, None, None
 
 

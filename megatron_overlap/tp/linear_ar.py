@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from ..comm import waits
-from .linear import TPComm, WgradOptions, _custom_bwd, _custom_fwd, _wgrad
+from .linear import TPComm, WgradOptions, _custom_bwd, _custom_fwd, _wgrad, collected_wgrad
 from .wgrad import as_2d, weight_gradient
 
 
@@ -46,12 +46,16 @@ def _column_backward(ctx, grad_output: torch.Tensor):
     pending = comm.backend.matmul_all_reduce(grad_output, weight, comm.group, comm.plan)
     if comm.wgrad is not None:
         comm.wgrad.run(older_than=mark)
-    if wgrad_compute:
+    if wgrad_compute and comm.sub is not None:  # one GEMM over every part's rows, at the last part
+        rows = comm.sub[0].collect("column", comm.sub[1], grad_output, input)
+        grad_weight, grad_bias = collected_wgrad(weight, rows, wgrad, input, comm, ctx.use_bias)
+    elif wgrad_compute:
         grad_output, total_input = as_2d(grad_output, input)
         grad_weight = _wgrad(weight, grad_output, total_input, wgrad, input, comm)
+        grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
     else:
         grad_weight = weight_gradient(weight, None, None, wgrad.accumulation_fusion, input)
-    grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
+        grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None  # as stock (3-D here)
     if comm.sub is not None:  # waited once every chain has run (sub_batch.Split)
         comm.sub[0].defer("dx", comm.sub[1], pending)
         return torch.empty_like(input), grad_weight, grad_bias
@@ -127,6 +131,9 @@ class RowParallelAR(torch.autograd.Function):
             if wgrad.accumulation_fusion:
                 weight.main_grad = ctx.main_grad
             grad_input = grad_output.matmul(weight)
+            if comm.sub is not None:  # one GEMM over every part's rows, at the last part
+                rows = comm.sub[0].collect("row", comm.sub[1], grad_output, input)
+                return grad_input, collected_wgrad(weight, rows, wgrad, input, comm, False)[0], None, None
             grad_2d, input_2d = as_2d(grad_output, input)
             return grad_input, _wgrad(weight, grad_2d, input_2d, wgrad, input, comm), None, None
 

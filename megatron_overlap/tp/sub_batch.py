@@ -17,11 +17,11 @@ only once every chain has run (``Split``'s backward). The attention block (``int
 sub_batches.py``) cuts its core attention and projection the same way.
 
 Numerics: every forward row and every input-gradient row is computed by the same GEMMs on
-the same rows as stock (bit-identical on the backends here). The weight gradients are summed
-over the sub-batches, one GEMM per sub-batch, in the fixed order autograd runs them, where stock
-runs one GEMM over all rows: the same sum in another order, a few ulp apart (measured in
-tests/test_training.py). Bytes moved equal stock's: the same gathers and reduce-scatters, cut
-into sub-batches.
+the same rows as stock (bit-identical on the backends here). A weight gradient is a sum over all
+rows, so no sub-batch computes its own: each keeps its grad-output and input rows
+(``collect``), and the last chain autograd runs puts every part's rows back in stock's order and
+runs stock's one GEMM on them: stock's bits (tests/test_training.py checks ``==``). Bytes moved
+equal stock's: the same gathers and reduce-scatters, cut into sub-batches.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class SubBatches:
         self.grads: Tuple[torch.Tensor, ...] = ()
         self._gathers: Dict[Tuple[str, int], Tuple[torch.Tensor, object]] = {}
         self._pending: Dict[Tuple[str, int], object] = {}  # ("out" | "dx", j) -> a reduce-scatter's pending
+        self._collected: Dict[str, Dict[int, Tuple[torch.Tensor, ...]]] = {}  # "column" | "row" -> j -> rows
         self.where = waits.current()  # the block's labels, for the waits of its backward
 
     # -- gathers posted ahead ---------------------------------------------------------------------
@@ -83,6 +84,32 @@ class SubBatches:
 
     def has_gather(self, kind: str, j: int) -> bool:
         return (kind, j) in self._gathers
+
+    # -- weight gradients over all rows ------------------------------------------------------------
+    def collect(self, key: str, j: int, *tensors: torch.Tensor) -> Optional[List[torch.Tensor]]:
+        """Keep part ``j``'s ``tensors`` (each ``[R * rows_j, ...]`` as its gather left them: rank
+        r's rows of part j at ``r * rows_j``; R = 1 without sequence parallelism) until every part's
+        are in; then return each put back together in stock's row order (rank r's rows of every
+        part, in part order, at ``r * rows``), else None."""
+        parts = self._collected.setdefault(key, {})
+        parts[j] = tensors
+        if len(parts) < self.n:
+            return None
+        del self._collected[key]
+        return [self._whole([parts[i][t] for i in range(self.n)]) for t in range(len(tensors))]
+
+    def _whole(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        ranks, rows = parts[0].shape[0] // self.sizes[0], sum(self.sizes)
+        if any(p.shape[0] != ranks * n for p, n in zip(parts, self.sizes)):
+            raise RuntimeError(f"megatron-overlap: sub-batch rows {[p.shape[0] for p in parts]} do not match the "
+                               f"cut {self.sizes} over {ranks} ranks")
+        whole = parts[0].new_empty((ranks * rows, *parts[0].shape[1:]))
+        for r in range(ranks):
+            first = r * rows
+            for part, n in zip(parts, self.sizes):
+                whole[first:first + n].copy_(part[r * n:(r + 1) * n])
+                first += n
+        return whole
 
     # -- reduce-scatters waited behind ------------------------------------------------------------
     def defer(self, kind: str, j: int, pending) -> None:
