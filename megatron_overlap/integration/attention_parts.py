@@ -23,6 +23,8 @@ from typing import Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..tp.sub_batch import ScratchPool
+
 
 class _Record(TorchFunctionMode):
     """The ``torch.baddbmm`` / ``torch.bmm`` calls of one core-attention forward."""
@@ -46,8 +48,8 @@ class CutAttention:
     what the parts' forwards and backwards share."""
 
     def __init__(self, n: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 notice: Callable[[str], None]):
-        self.n, self.notice = n, notice
+                 notice: Callable[[str, str], None], pool: ScratchPool):
+        self.n, self.notice, self.pool = n, notice, pool
         self.query = query.detach()  # [sq, b, np, hn]: the key gradient's GEMM reads all its rows
         self.shape = query.shape
         # leaves: part 0's graph reaches the key and value through them, and their gradients run
@@ -80,7 +82,7 @@ class CutAttention:
             (probs, mat2), context = record.bmm[0]
             if self.probs is None:
                 self.alpha, self.batch2, self.mat2 = kwargs.get("alpha", 1), batch2, mat2
-                self.probs = probs.new_empty((probs.shape[0], self.shape[0], probs.shape[2]))
+                self.probs = self.pool.take((probs.shape[0], self.shape[0], probs.shape[2]), probs)
             self.probs.index_copy_(1, index, probs.detach())
             self._inner[j] = (q, out, scores, context)
         else:
@@ -109,8 +111,8 @@ class CutAttention:
         if self.exact:
             dq, d_scores, d_context = torch.autograd.grad(out, (q, scores, context), grad)
             if self.grad_scores is None:
-                self.grad_scores = d_scores.new_empty((d_scores.shape[0], self.shape[0], d_scores.shape[2]))
-                self.grad_context = d_context.new_empty((d_context.shape[0], self.shape[0], d_context.shape[2]))
+                self.grad_scores = self.pool.take((d_scores.shape[0], self.shape[0], d_scores.shape[2]), d_scores)
+                self.grad_context = self.pool.take((d_context.shape[0], self.shape[0], d_context.shape[2]), d_context)
             self.grad_scores.index_copy_(1, index, d_scores)
             self.grad_context.index_copy_(1, index, d_context)
         else:
@@ -144,6 +146,7 @@ class CutAttention:
             grads.append(torch.autograd.grad(self.mat2, self.value, d_mat2)[0])
         else:
             grads.append(None)
+        self.pool.give(self.probs, self.grad_scores, self.grad_context)
         self.probs = self.grad_scores = self.grad_context = self.batch2 = self.mat2 = self.query = None
         return grads
 

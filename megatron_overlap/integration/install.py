@@ -45,6 +45,7 @@ from ..cp.checks import check_cp_model
 from ..cp.ring import RingOptions
 from ..pp.checks import pp_schedule_applies
 from ..tp.checks import tp_overlap_applies
+from ..tp.sub_batch import ScratchPool
 from . import compat
 
 logger = logging.getLogger("megatron_overlap")
@@ -112,6 +113,7 @@ class Installation:
         self.microbatch_rows = None
         self.attention_block = None  # the Attention whose core attention is being cut (sub_batches.py)
         self.projected = None  # (context rows, projection, bias) between a cut core attention and linear_proj
+        self.scratch = ScratchPool()  # the sub-batch cut's whole-tensor buffers, reused call to call
         self.fusion = None  # allreduce_fusion.Request while a fused attention block runs (--overlap-tp-allreduce-fusion)
         self.served: dict = {}  # id(norm output) -> (it, fc1 weight, fc1 GEMM output) computed while it was gathered
         self.served_norm = None  # the fused block whose pre-MLP norm was computed ahead (allreduce_fusion.py)

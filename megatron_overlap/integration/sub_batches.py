@@ -60,7 +60,8 @@ def _forward(inst, original):
     def forward(self, hidden_states, *args, **kwargs):
         if not _cut(inst, "this MLP block", _stock_reason(self, args, kwargs), hidden_states, self.linear_fc2):
             return original(self, hidden_states, *args, **kwargs)
-        sub = SubBatches(self.linear_fc2.tp_group, split_sizes(hidden_states.shape[0], n), row=self.linear_fc2)
+        sub = SubBatches(self.linear_fc2.tp_group, split_sizes(hidden_states.shape[0], n), row=self.linear_fc2,
+                         pool=inst.scratch)
         sub.parts = Split.apply(hidden_states, sub)
         outs, bias = [], None
         outer, inst.sub_batch = inst.sub_batch, sub
@@ -158,10 +159,10 @@ def _core_forward(inst, original):
         inst.attention_block = None
         proj, total = block.linear_proj, query.shape[0]
         size = proj.tp_group.size() if proj.sequence_parallel else 1  # without SP: row ranges of the sequence
-        sub = SubBatches(proj.tp_group, split_sizes(total // size, n), row=proj)
+        sub = SubBatches(proj.tp_group, split_sizes(total // size, n), row=proj, pool=inst.scratch)
         sub.gather_whole_early = True  # the parts' attention backwards run between the first projection's and QKV
         mask = attention_mask if attention_mask is not None else _causal_mask(self, total, key.shape[0], query.device)
-        cut = CutAttention(n, query, key, value, inst.notice_once) if torch.is_grad_enabled() else None
+        cut = CutAttention(n, query, key, value, inst.notice_once, inst.scratch) if torch.is_grad_enabled() else None
         outer, inst.sub_batch = inst.sub_batch, sub
         parts, outs, bias = [], [], None
         try:

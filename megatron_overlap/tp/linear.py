@@ -142,14 +142,21 @@ def _wgrad(weight, grad_2d, input_2d, wgrad: WgradOptions, like, comm: TPComm):
     return weight_gradient(weight, grad_2d, input_2d, wgrad.accumulation_fusion, like)
 
 
-def collected_wgrad(weight, rows, wgrad: WgradOptions, like, comm: TPComm, use_bias: bool):
-    """A sub-batch's weight and bias gradients: None until the last part's backward (``rows`` None),
-    then stock's, from ``rows`` = (grad-output, input) of every part in stock's row order
-    (``SubBatches.collect``)."""
+def collected_wgrad(weight, key: str, tensors, wgrad: WgradOptions, like, comm: TPComm, use_bias: bool):
+    """Sub-batch ``comm.sub``'s weight and bias gradients: None until the last part's backward,
+    then stock's, from ``tensors`` = (grad-output, input) of every part put back in stock's row
+    order (``SubBatches.collect``, key "column" or "row"). The rows go back to the pool once the
+    GEMM ran (not when it waits in the wgrad store)."""
+    sub, j = comm.sub
+    rows = sub.collect(key, j, *tensors)
     if rows is None:
         return None, None
     grad_2d, input_2d = as_2d(*rows)
-    return _wgrad(weight, grad_2d, input_2d, wgrad, like, comm), (grad_2d.sum(dim=0) if use_bias else None)
+    grad_weight = _wgrad(weight, grad_2d, input_2d, wgrad, like, comm)
+    grad_bias = grad_2d.sum(dim=0) if use_bias else None
+    if comm.wgrad is None or not deferrable(weight, wgrad.accumulation_fusion):
+        sub.pool.give(*rows)
+    return grad_weight, grad_bias
 
 
 class ColumnParallelSP(torch.autograd.Function):
@@ -204,8 +211,8 @@ class ColumnParallelSP(torch.autograd.Function):
             comm.wgrad.run(older_than=mark)  # while the partials and the input re-gather travel
 
         if wgrad_compute and comm.sub is not None:  # one GEMM over every part's rows, at the last part
-            rows = comm.sub[0].collect("column", comm.sub[1], grad_output, slot.take())
-            grad_weight, grad_bias = collected_wgrad(weight, rows, wgrad, input, comm, ctx.use_bias)
+            grad_weight, grad_bias = collected_wgrad(weight, "column", (grad_output, slot.take()), wgrad, input, comm,
+                                                     ctx.use_bias)
         elif wgrad_compute:
             grad_output, total_input = as_2d(grad_output, slot.take())
             grad_weight = _wgrad(weight, grad_output, total_input, wgrad, input, comm)
@@ -278,8 +285,7 @@ class RowParallelSP(torch.autograd.Function):
             # backward, between proj and qkv), and the Column's reduce-scatter finds less ahead
             slot.start()
         if comm.sub is not None:  # one GEMM over every part's rows, at the last part
-            rows = comm.sub[0].collect("row", comm.sub[1], gathered, input)
-            grad_weight, _ = collected_wgrad(weight, rows, wgrad, input, comm, False)
+            grad_weight, _ = collected_wgrad(weight, "row", (gathered, input), wgrad, input, comm, False)
         else:
             grad_weight = _wgrad(weight, *as_2d(gathered, input), wgrad, input, comm)
         return grad_input, grad_weight, None, None

@@ -47,8 +47,8 @@ def _column_backward(ctx, grad_output: torch.Tensor):
     if comm.wgrad is not None:
         comm.wgrad.run(older_than=mark)
     if wgrad_compute and comm.sub is not None:  # one GEMM over every part's rows, at the last part
-        rows = comm.sub[0].collect("column", comm.sub[1], grad_output, input)
-        grad_weight, grad_bias = collected_wgrad(weight, rows, wgrad, input, comm, ctx.use_bias)
+        grad_weight, grad_bias = collected_wgrad(weight, "column", (grad_output, input), wgrad, input, comm,
+                                                 ctx.use_bias)
     elif wgrad_compute:
         grad_output, total_input = as_2d(grad_output, input)
         grad_weight = _wgrad(weight, grad_output, total_input, wgrad, input, comm)
@@ -132,8 +132,8 @@ class RowParallelAR(torch.autograd.Function):
                 weight.main_grad = ctx.main_grad
             grad_input = grad_output.matmul(weight)
             if comm.sub is not None:  # one GEMM over every part's rows, at the last part
-                rows = comm.sub[0].collect("row", comm.sub[1], grad_output, input)
-                return grad_input, collected_wgrad(weight, rows, wgrad, input, comm, False)[0], None, None
+                grad_weight, _ = collected_wgrad(weight, "row", (grad_output, input), wgrad, input, comm, False)
+                return grad_input, grad_weight, None, None
             grad_2d, input_2d = as_2d(grad_output, input)
             return grad_input, _wgrad(weight, grad_2d, input_2d, wgrad, input, comm), None, None
 
