@@ -211,7 +211,8 @@ class ColumnParallelSP(torch.autograd.Function):
             comm.wgrad.run(older_than=mark)  # while the partials and the input re-gather travel
 
         if wgrad_compute and comm.sub is not None:  # one GEMM over every part's rows, at the last part
-            grad_weight, grad_bias = collected_wgrad(weight, "column", (grad_output, slot.take()), wgrad, input, comm,
+            # the input's re-gather is waited for only at the last part, where the GEMM runs
+            grad_weight, grad_bias = collected_wgrad(weight, "column", (grad_output, slot.take), wgrad, input, comm,
                                                      ctx.use_bias)
         elif wgrad_compute:
             grad_output, total_input = as_2d(grad_output, slot.take())

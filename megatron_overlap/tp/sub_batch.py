@@ -114,17 +114,22 @@ class SubBatches:
         return (kind, j) in self._gathers
 
     # -- weight gradients over all rows ------------------------------------------------------------
-    def collect(self, key: str, j: int, *tensors: torch.Tensor) -> Optional[List[torch.Tensor]]:
+    def collect(self, key: str, j: int, *tensors) -> Optional[List[torch.Tensor]]:
         """Keep part ``j``'s ``tensors`` (each ``[R * rows_j, ...]`` as its gather left them: rank
-        r's rows of part j at ``r * rows_j``; R = 1 without sequence parallelism) until every part's
-        are in; then return each put back together in stock's row order (rank r's rows of every
-        part, in part order, at ``r * rows``), else None."""
+        r's rows of part j at ``r * rows_j``; R = 1 without sequence parallelism; or a callable
+        that waits for one, called only then) until every part's are in; then return each put
+        back together in stock's row order (rank r's rows of every part, in part order, at
+        ``r * rows``), else None."""
         parts = self._collected.setdefault(key, {})
         parts[j] = tensors
         if len(parts) < self.n:
             return None
         del self._collected[key]
-        return [self._whole([parts[i][t] for i in range(self.n)]) for t in range(len(tensors))]
+        wholes = []
+        for t in range(len(tensors)):
+            rows = [parts[i][t] for i in range(self.n)]
+            wholes.append(self._whole([r() if callable(r) else r for r in rows]))
+        return wholes
 
     def _whole(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         ranks, rows = parts[0].shape[0] // self.sizes[0], sum(self.sizes)
