@@ -13,7 +13,7 @@ derivative formulas), then hands the results back through stock's own view and G
 Megatron's forward is run under a ``TorchFunctionMode`` that records its ``baddbmm`` and ``bmm``
 (their operands, ``alpha`` and results). The first part checks that they are laid out as this
 module rebuilds them for all rows; where they are not (another Megatron-core), every part
-sums its own key and value gradients instead (the old behaviour, a few ulp), said once.
+sums its own key and value gradients instead, a few ulp from stock's, said once.
 """
 
 from __future__ import annotations
@@ -95,9 +95,11 @@ class CutAttention:
         ``bmm(P, V')`` with a contiguous ``P [b*np, sq, sk]``."""
         if len(record.baddbmm) != 1 or len(record.bmm) != 1:
             return False
-        (args, kwargs, _scores), ((probs, _mat2), _context) = record.baddbmm[0], record.bmm[0]
+        (args, kwargs, _scores), ((probs, mat2), _context) = record.baddbmm[0], record.bmm[0]
         if len(args) != 3 or kwargs.get("beta", 1) != 0 or set(kwargs) - {"alpha", "beta"}:
             return False
+        if args[2].requires_grad != self.key.requires_grad or mat2.requires_grad != self.value.requires_grad:
+            return False  # the key or value reached its GEMM some other way
         rebuilt = _query_view(q)
         batch1 = args[1]
         return (batch1.shape == rebuilt.shape and batch1.stride() == rebuilt.stride()
