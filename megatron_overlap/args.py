@@ -22,7 +22,7 @@ from .cp import CP_MODES
 from .errors import OverlapConfigError
 from .flag_names import FIELDS, flag_for  # noqa: F401  (flag_for: re-exported, config and the tests read it here)
 from .pp import BUCKETS as PP_BUCKETS, MODES as PP_MODES
-from .tp import RS_ALGOS, TP_MODES, check_chunks
+from .tp import RS_ALGOS, SUB_BATCH_BLOCKS, TP_MODES, check_chunks
 
 
 def _argparse_rule(rule):
@@ -101,6 +101,11 @@ _OPTIONS = (  # (config field, argparse keywords); the flags: flag_names.FIELDS
         "workload partitioning; 2 or 3 are the usual choices; default 1: whole). auto: the cost model chooses "
         "N in 1-3 at start on a GPU it knows, else 1. Megatron's local spec; not with --overlap-tp fused. "
         "Without --sequence-parallel each part's all-reduces travel while the next part computes.")),
+    ("tp.sub_batch_blocks", dict(
+        choices=SUB_BATCH_BLOCKS, default=None,
+        help="Which blocks --overlap-tp-sub-batches cuts: all (default), attention (the MLP blocks run whole with "
+        "per-op overlap: their cut adds copies and smaller GEMMs for little gain where the link idles mostly "
+        "during the core attention) or mlp. With --overlap-tp-sub-batches auto the cost model picks it too.")),
     ("tp.allreduce_fusion", dict(
         action="store_true", default=None,
         help="Without --sequence-parallel: CoCoNet's transformation of the attention block's output. Its "

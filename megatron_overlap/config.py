@@ -21,7 +21,7 @@ from .model_context import MEGATRON_PP_FLAGS, ModelContext  # noqa: F401  (re-ex
 from .cp import CP_MODES
 from .errors import OverlapConfigError
 from .pp import BUCKETS as PP_BUCKETS, MODES as PP_MODES
-from .tp import MAX_CHUNKS, RS_ALGOS, TP_MODES, check_chunks, check_sub_batches
+from .tp import MAX_CHUNKS, RS_ALGOS, TP_MODES, check_chunks, check_sub_batch_blocks, check_sub_batches
 
 
 class _Section:
@@ -59,6 +59,10 @@ class TPConfig(_Section):
     """Sub-batches each attention and MLP block's rows are cut into (``tp/sub_batch.py``); 1: whole;
     ``auto``: resolved once, at install, from the cost model (1 where it has no answer)."""
 
+    sub_batch_blocks: str = "all"
+    """The blocks ``sub_batches`` cuts: ``all``, ``attention`` (the MLP blocks run whole, per-op)
+    or ``mlp``; with ``sub_batches`` ``auto``, resolved with it."""
+
     allreduce_fusion: bool = False
     """Without sequence parallelism: the attention block's projection all-reduce, bias, dropout and
     residual add as reduce-scatter, elementwise work on each rank's shard, all-gather feeding the
@@ -68,7 +72,7 @@ class TPConfig(_Section):
     """Names of the fields above the user set (conflict messages only)."""
 
     DEPENDENT = ("chunks", "rs", "bidirectional", "autotune", "plan_file")  # meaningless with mode off
-    ALL = DEPENDENT + ("sub_batches", "allreduce_fusion")
+    ALL = DEPENDENT + ("sub_batches", "sub_batch_blocks", "allreduce_fusion")
 
     def __post_init__(self):
         if self.mode not in TP_MODES:
@@ -81,6 +85,7 @@ class TPConfig(_Section):
                                      f"halves, more than the {MAX_CHUNKS} messages a ring can tell apart; use at most "
                                      f"{MAX_CHUNKS // 2}")
         check_sub_batches(self.sub_batches, self.mode)
+        check_sub_batch_blocks(self.sub_batch_blocks, self.sub_batches)
         if self.autotune and self.plan_file:
             raise OverlapConfigError("tp.plan_file", "and `tp.autotune` both choose the decompositions; pass one of them")
         given = self.given(*self.DEPENDENT)
@@ -113,6 +118,7 @@ class TPConfig(_Section):
 
     def flags(self) -> list:
         sub = [flag_for("tp.sub_batches"), str(self.sub_batches)] if self.sub_batches != 1 else []
+        sub += [flag_for("tp.sub_batch_blocks"), self.sub_batch_blocks] if self.sub_batch_blocks != "all" else []
         sub += [flag_for("tp.allreduce_fusion")] if self.allreduce_fusion else []
         if self.mode in ("off", "symm-mem"):
             return [] if self.mode == "off" else sub
@@ -349,9 +355,11 @@ class OverlapConfig:
         get = lambda name: getattr(args, name, None)  # noqa: E731
         tp_dests = dict(chunks="overlap_tp_chunks", rs="overlap_tp_rs", bidirectional="overlap_tp_bidirectional",
                         autotune="overlap_tp_autotune", plan_file="overlap_tp_plan_file",
-                        sub_batches="overlap_tp_sub_batches", allreduce_fusion="overlap_tp_allreduce_fusion")
+                        sub_batches="overlap_tp_sub_batches", sub_batch_blocks="overlap_tp_sub_batch_blocks",
+                        allreduce_fusion="overlap_tp_allreduce_fusion")
         tp = TPConfig(mode=args.overlap_tp, chunks=_default(get("overlap_tp_chunks"), 0),
                       sub_batches=_default(get("overlap_tp_sub_batches"), 1),
+                      sub_batch_blocks=_default(get("overlap_tp_sub_batch_blocks"), "all"),
                       rs=_default(get("overlap_tp_rs"), "ring"), bidirectional=bool(get("overlap_tp_bidirectional")),
                       autotune=bool(get("overlap_tp_autotune")), plan_file=get("overlap_tp_plan_file"),
                       allreduce_fusion=bool(get("overlap_tp_allreduce_fusion")),

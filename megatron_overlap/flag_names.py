@@ -14,6 +14,7 @@ FIELDS = {
     "tp.chunks": "--overlap-tp-chunks",
     "tp.rs": "--overlap-tp-rs",
     "tp.sub_batches": "--overlap-tp-sub-batches",
+    "tp.sub_batch_blocks": "--overlap-tp-sub-batch-blocks",
     "tp.allreduce_fusion": "--overlap-tp-allreduce-fusion",
     "tp.bidirectional": "--overlap-tp-bidirectional",
     "tp.autotune": "--overlap-tp-autotune",

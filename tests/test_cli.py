@@ -368,6 +368,9 @@ def test_demo_layout_is_one_rank_per_core_and_says_so():
     (["--cp", "2", "--overlap-tp-chunks", "4"], "runs with TP=1 (no TP overlap), so --overlap-tp-chunks"),
     (["--cp", "2", "--overlap-tp-sub-batches", "2"], "runs with TP=1 (no TP overlap), so --overlap-tp-sub-batches"),
     (["--overlap-tp-sub-batches", "0"], "demo: --overlap-tp-sub-batches must be a whole number >= 1, got 0"),
+    (["--overlap-tp-sub-batches", "1", "--overlap-tp-sub-batch-blocks", "attention"],
+     "demo: --overlap-tp-sub-batch-blocks attention chooses the blocks sub-batches cut, and --overlap-tp-sub-batches "
+     "1 cuts none"),
     (["--pp", "2", "--overlap-tp-sub-batches", "2"], "does not read --overlap-tp-sub-batches"),
     (["--overlap-hdp", "--cluster", "2x2", "--micro-batches", "4"], "does not read --cluster, --micro-batches"),
     (["--cluster", "2by2"], "--cluster '2by2': give PPxDP"),

@@ -41,6 +41,7 @@ def test_flag_set_is_pinned():
         "--overlap-tp-rs",
         "--overlap-tp-bidirectional",
         "--overlap-tp-sub-batches",
+        "--overlap-tp-sub-batch-blocks",  # which blocks the sub-batches cut
         "--overlap-tp-allreduce-fusion",  # CoCoNet's transformation without sequence parallelism
         "--overlap-tp-autotune",  # was --overlap-autotune (TP only)
         "--overlap-tp-plan-file",  # was --overlap-plan (TP only, not the plan command)
@@ -230,6 +231,8 @@ def test_pieces_cover_the_shard_exactly():
          "runs each GEMM whole"),
         (["--overlap-tp", "fused", "--overlap-tp-sub-batches", "auto"], {}, "--overlap-tp-sub-batches",
          "runs each GEMM whole"),
+        (["--overlap-tp", "p2p", "--overlap-tp-sub-batch-blocks", "attention"], {}, "--overlap-tp-sub-batch-blocks",
+         "attention chooses the blocks --overlap-tp-sub-batches cuts, and --overlap-tp-sub-batches is 1"),
         (["--overlap-trace-iters", "3"], {}, "--overlap-trace-iters", "without --overlap-trace"),
         (["--overlap-tp-autotune"], {}, "--overlap-tp-autotune", "only applies to TP overlap"),
         (["--overlap-tp", "p2p", "--overlap-tp-autotune", "--overlap-tp-plan-file", "p.json"], {},
@@ -291,6 +294,7 @@ def test_pieces_cover_the_shard_exactly():
         "sub-batches-without-overlap",
         "sub-batches-with-fused",
         "auto-sub-batches-with-fused",
+        "sub-batch-blocks-without-a-cut",
         "trace-iters-without-trace",
         "autotune-without-overlap",
         "autotune-and-plan",
@@ -339,6 +343,8 @@ def test_parser_rejects_bad_values_naming_the_flag(capsys):
     assert "argument --overlap-tp-chunks: expected a whole number" in parser_error(capsys, "--overlap-tp-chunks", "x")
     assert "argument --overlap-tp: invalid choice" in parser_error(capsys, "--overlap-tp", "fast")
     assert "argument --overlap-tp-rs: invalid choice" in parser_error(capsys, "--overlap-tp-rs", "tree")
+    assert "argument --overlap-tp-sub-batch-blocks: invalid choice: 'qkv' (choose from 'all', 'attention', 'mlp')" in \
+        parser_error(capsys, "--overlap-tp-sub-batch-blocks", "qkv")
     assert "argument --overlap-tp-sub-batches: expected a whole number >= 1 or auto, got 'two'" in parser_error(
         capsys, "--overlap-tp-sub-batches", "two")
     # refused while parsing, before install (they were refused at install before)

@@ -309,12 +309,52 @@ def test_sub_batches_move_the_same_bytes_and_hide_more_of_a_layer():
     # `--overlap-tp-sub-batches auto` asks for the cut: the plan's own first choice
     best, _stock = predicted_choice(args, "NVIDIA H100 80GB HBM3", True, sub_batches="auto")
     assert (best.strategy.name, best.strategy.sub_batches) == ("symm-mem", 2), best.name
-    # with the backend fixed (`--overlap-tp p2p`), only the count is chosen: the fastest p2p count
+    # with the backend fixed (`--overlap-tp p2p`), only the cut is chosen (count and blocks): the fastest p2p cut
     best, stock = predicted_choice(args, "NVIDIA H100 80GB HBM3", True, sub_batches="auto", backend="p2p")
-    p2p = {r.strategy.sub_batches: r.step_ms for r in plan.ranked if r.strategy.name == "p2p" and
-           r.strategy.chunks == 0 and r.strategy.rs == "ring"}
-    assert best.strategy.name == "p2p" and best.step_ms == min(p2p.values()) == p2p[best.strategy.sub_batches]
+    cuts = [Strategy("p2p")] + [Strategy("p2p", sub_batches=n, cut=c) for n in (2, 3) for c in ("all", "attention", "mlp")]
+    p2p = {(r.strategy.sub_batches, r.strategy.cut): r.step_ms
+           for r in make_plan(get_model("llama3-8b"), RunSpec(tp=4, seq=8192, micro_batch=8, phase="train"),
+                              get_hardware("h100-sxm"), cuts).ranked}
+    assert best.strategy.name == "p2p" and best.step_ms == min(p2p.values()) == p2p[
+        best.strategy.sub_batches, best.strategy.cut]
     assert stock.strategy.name == "megatron"
+    # the user's blocks (`--overlap-tp-sub-batch-blocks mlp`): only that cut is a candidate
+    best, _stock = predicted_choice(args, "NVIDIA H100 80GB HBM3", True, sub_batches="auto", backend="p2p",
+                                    blocks="mlp")
+    assert best.strategy.sub_batches == 1 or best.strategy.cut == "mlp", best.name
+
+
+def test_sub_batches_of_one_block_kind_are_modelled_as_the_code_cuts_them():
+    """``--overlap-tp-sub-batch-blocks``: the model cuts only the attention (or only the MLP)
+    blocks, the others whole as per-op runs them (their Row starting the Column's early
+    re-gather); the bytes stay per-op's, and the flags name the blocks."""
+    from megatron_overlap.tune.hardware import cpu_emulated_spec
+    from megatron_overlap.tune.layer_ops import transformer_layer_ops
+    from megatron_overlap.tune.models import ModelSpec, RunSpec
+    from megatron_overlap.tune.strategy_sim import make_ctx, simulate_ops
+    from megatron_overlap.tune.strategies import Strategy
+    from megatron_overlap.tune.sub_batches import blocks
+
+    hw = cpu_emulated_spec(60.0, 10.0, 0.04, 0.0)
+    model = ModelSpec("layer", hidden=1024, ffn=4096, heads=8, kv_heads=8, layers=1, vocab=1024, seq=2048, gated=False)
+    run = RunSpec(tp=2, seq=2048, micro_batch=1, phase="train")
+    ops = transformer_layer_ops(model, run, hw)
+    kinds = {cut: [kind for kind, _ in blocks(ops, 1, cut)] for cut in ("all", "attention", "mlp")}
+    assert "attention" in kinds["all"] and "mlp" in kinds["all"]
+    assert "attention" in kinds["attention"] and "mlp" not in kinds["attention"]
+    assert "mlp" in kinds["mlp"] and "attention" not in kinds["mlp"]
+    whole = simulate_ops(ops, make_ctx(run, hw, Strategy("p2p")), True)
+    for cut in ("attention", "mlp"):
+        one = simulate_ops(ops, make_ctx(run, hw, Strategy("p2p", sub_batches=2, cut=cut)), True)
+        assert one.comm_ms("tp") == pytest.approx(whole.comm_ms("tp"), rel=1e-9)
+        if cut == "attention":  # the whole MLP's fc2 starts fc1's input re-gather early, as per-op
+            assert "fc1 bwd AG(x) early" in [t.name for t in one.bwd_tasks]
+    flags = Strategy("p2p", sub_batches=2, cut="attention").flags(2)
+    assert "--overlap-tp-sub-batches 2 --overlap-tp-sub-batch-blocks attention" in flags
+    with pytest.raises(ValueError, match="more than 1 sub-batch"):
+        Strategy("p2p", cut="attention")
+    with pytest.raises(ValueError, match="one of"):
+        Strategy("p2p", sub_batches=2, cut="qkv")
 
 
 def test_per_op_backward_prices_the_whole_input_regather_early():

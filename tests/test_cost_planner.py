@@ -187,7 +187,13 @@ def test_the_demos_pick_is_the_cost_model_fitted_to_its_own_calibration():
     assert simulate(model, run, free, Strategy("megatron")).step_ms == pytest.approx(1250.0, rel=1e-6)
     choice = demo_plan.pick(cfg, cal)
     assert choice["sub_batches"] in (1, 2, 3)
-    assert set(choice["predicted_ms"]) == {"stock", "per-op overlap", "2 sub-batches", "3 sub-batches"}
-    assert min(choice["predicted_ms"].values()) < choice["predicted_ms"]["stock"]
+    assert set(choice["predicted_ms"]) == {"stock", "per-op overlap"} | {
+        f"{n} sub-batches{w}" for n in (2, 3) for w in ("", " (attention blocks)", " (mlp blocks)")}
+    best = min(choice["predicted_ms"], key=choice["predicted_ms"].get)
+    assert choice["predicted_ms"][best] < choice["predicted_ms"]["stock"]
+    assert choice["blocks"] == ("attention" if "attention" in best else "mlp" if "mlp" in best else "all")
+    only = demo_plan.pick(DemoConfig(sub_batch_blocks="attention"), cal)  # the user's blocks: the only cut priced
+    assert set(only["predicted_ms"]) == {"stock", "per-op overlap", "2 sub-batches (attention blocks)",
+                                         "3 sub-batches (attention blocks)"}
     fast = demo_plan.pick(cfg, demo_plan.Calibration(gemm_ms, 1250.0, 1e6, 0.0))
     assert fast["sub_batches"] is None and fast["why"].startswith("the cost model's pick")

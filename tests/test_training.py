@@ -96,6 +96,23 @@ def test_sub_batches_match_stock(pool4, tp, n, overlap_grad_reduce):
     assert stock[0]["losses"][-1] < stock[0]["losses"][0]
 
 
+@pytest.mark.parametrize("blocks", ["attention", "mlp"])
+def test_sub_batches_of_one_block_kind_match_stock(pool4, blocks):
+    """``--overlap-tp-sub-batch-blocks``: only the attention (or only the MLP) blocks are cut, the
+    others run whole with per-op overlap; every loss and gradient is still stock's bits (TP=2)."""
+    flags = ["--overlap-tp", "p2p", "--overlap-tp-sub-batches", "2", "--overlap-tp-sub-batch-blocks", blocks]
+    stock = pool4.run(gpt_rank_fns.gpt_losses_and_grads, 2, SUB_STEPS, [], True)
+    ours = pool4.run(gpt_rank_fns.gpt_losses_and_grads, 2, SUB_STEPS, flags, True)
+    for rank in range(4):
+        s, o = stock[rank], ours[rank]
+        cut = {"tp.sub_batches.attention" if blocks == "attention" else "tp.sub_batches": 2 * SUB_STEPS}
+        whole = "tp.sub_batches" if blocks == "attention" else "tp.sub_batches.attention"
+        assert all(o["calls"].get(k) == v for k, v in cut.items()) and not o["calls"].get(whole), o["calls"]
+        assert o["losses"] == s["losses"], (rank, o["losses"], s["losses"])
+        for name, grad in s["grads"].items():
+            assert rank_helpers.rel(o["grads"][name], grad) == 0, (rank, name)
+
+
 def test_sub_batches_sum_key_value_gradients_per_part_on_another_layout(pool4):
     """Where Megatron-core's core attention is not laid out as the cut rebuilds it, each part sums
     its own key and value gradients (said once): losses and gradients within 1e-6 of stock, the

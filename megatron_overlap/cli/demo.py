@@ -78,11 +78,12 @@ def run(cfg: DemoConfig, timeline_png: str = "runs/demo/timeline.png", progress:
 
 def summarize(cfg: DemoConfig, link: dict, per_step: list) -> dict:
     link = dict(link)
-    choice = link.pop("choice", None) or {"sub_batches": cfg.sub_batches, "why": "as asked"}
-    ran = choice["sub_batches"]
+    choice = link.pop("choice", None) or {"sub_batches": cfg.sub_batches, "blocks": cfg.sub_batch_blocks or "all",
+                                           "why": "as asked"}
+    ran, blocks = choice["sub_batches"], choice.get("blocks", "all")
     result = {"config": asdict(cfg), "link": link, "cpu_cores": len(os.sched_getaffinity(0)),
-              "choice": dict(choice, flags=" ".join(cfg.overlap_flags("stock" if ran is None else ran)),
-                             mode=_mode_name(cfg, ran))}
+              "choice": dict(choice, flags=" ".join(cfg.overlap_flags("stock" if ran is None else ran, blocks)),
+                             mode=_mode_name(cfg, ran, blocks))}
     timed = per_step[cfg.warmup:] or per_step
     for mode in ("baseline", "overlap"):
         wall = [1e3 * max(r[mode]["wall_s"] for r in rows) for rows in timed]
@@ -113,12 +114,15 @@ def summarize(cfg: DemoConfig, link: dict, per_step: list) -> dict:
     return result
 
 
-def _mode_name(cfg: DemoConfig, sub_batches) -> str:
+def _mode_name(cfg: DemoConfig, sub_batches, blocks: str = "all") -> str:
     if cfg.cp > 1:
         return f"--overlap-cp {cfg.overlap_cp}"
     if sub_batches is None:
         return "stock (the cost model predicts nothing of ours faster)"
-    return "per-op overlap" if sub_batches in (1, "auto") else f"per-op overlap + {sub_batches} sub-batches"
+    if sub_batches in (1, "auto"):
+        return "per-op overlap"
+    where = {"attention": " of the attention blocks", "mlp": " of the MLP blocks"}.get(blocks, "")
+    return f"per-op overlap + {sub_batches} sub-batches{where}"
 
 
 def write_timeline(cfg: DemoConfig, last_step: list, path: str) -> str:

@@ -49,6 +49,9 @@ def check_config(cfg: DemoConfig) -> None:
            **({} if cfg.sub_batches == "auto" else {"overlap_tp_sub_batches": (cfg.sub_batches, 1)}))
     amounts("demo", ("comm_ratio",), bandwidth_GBps=cfg.bandwidth_GBps, comm_ratio=cfg.comm_ratio,
             latency_us=cfg.latency_us)
+    if cfg.sub_batch_blocks not in ("", "all") and cfg.sub_batches == 1:
+        raise SystemExit(f"demo: --overlap-tp-sub-batch-blocks {cfg.sub_batch_blocks} chooses the blocks sub-batches "
+                         "cut, and --overlap-tp-sub-batches 1 cuts none; pass 2 or more (or auto), or drop it")
     if cfg.world % (cfg.tp * cfg.cp):
         raise SystemExit(f"demo: --tp {cfg.tp} x --cp {cfg.cp} must divide --ranks {cfg.world}")
     if cfg.hidden % cfg.heads:
@@ -86,11 +89,11 @@ def cpu_cores() -> int:
 # Flags that only the TP / CP demo reads (dest names), and those that only TP overlap reads.
 TRAINING_FLAGS = ("steps", "warmup", "world", "tp", "seq", "hidden", "layers", "bandwidth_GBps", "comm_ratio",
                   "cluster", "cluster_microbatches", "cluster_model", "latency_us", "chunks", "rs", "bidirectional",
-                  "sub_batches", "cp", "overlap_cp", "cp_a2a_size", "timeline", "out", "trace_dir")
-_TP_FLAGS = ("chunks", "rs", "bidirectional", "sub_batches")
+                  "sub_batches", "sub_batch_blocks", "cp", "overlap_cp", "cp_a2a_size", "timeline", "out", "trace_dir")
+_TP_FLAGS = ("chunks", "rs", "bidirectional", "sub_batches", "sub_batch_blocks")
 _FLAG_OF = {"world": "--ranks", "bandwidth_GBps": "--bandwidth-GBps", "cluster_microbatches": "--micro-batches",
             "chunks": "--overlap-tp-chunks", "rs": "--overlap-tp-rs", "bidirectional": "--overlap-tp-bidirectional",
-            "sub_batches": "--overlap-tp-sub-batches",
+            "sub_batches": "--overlap-tp-sub-batches", "sub_batch_blocks": "--overlap-tp-sub-batch-blocks",
             "cp_a2a_size": "--overlap-cp-a2a-size", "trace_dir": "--trace", "hdp": "--overlap-hdp",
             "hdp_capacity": "--overlap-hdp-max-tokens-per-rank"}
 
@@ -154,6 +157,9 @@ def add_demo_args(parser: argparse.ArgumentParser):
     parser.add_argument("--overlap-tp-sub-batches", dest="sub_batches", type=_sub_batches, default=None, metavar="N|auto",
                         help="ours: each attention and MLP block cut into N sub-batches; auto (default): the cost "
                         "model's pick for this CPU and link, N in 1-3 or stock; 1: per-op overlap (stock's bits)")
+    parser.add_argument("--overlap-tp-sub-batch-blocks", dest="sub_batch_blocks", choices=("all", "attention", "mlp"),
+                        default=None, help="ours: the blocks the sub-batches cut (default: all, or with "
+                        "--overlap-tp-sub-batches auto the cost model's pick)")
     parser.add_argument("--cp", type=int, default=None,
                         help="context-parallel size: CP on Megatron's local attention through --overlap-cp")
     parser.add_argument("--overlap-cp", dest="overlap_cp", choices=("ring", "a2a", "hybrid"), default=None)

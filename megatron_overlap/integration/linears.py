@@ -59,35 +59,42 @@ def resolve_auto(tp, args, notice):
     picked = None
     if args is not None and not (tp.autotune or tp.plan_file):
         backend = None if tp.mode == "auto" else tp.mode
-        picked = predicted_choice(args, _cuda_device_name(), _symm_mem_usable() and not explicit, fixed, sub, backend)
+        blocks = tp.sub_batch_blocks if "sub_batch_blocks" in tp.explicit else None
+        picked = predicted_choice(args, _cuda_device_name(), _symm_mem_usable() and not explicit, fixed, sub, backend,
+                                  blocks)
     if picked is None:
         if sub == "auto":
             why = "`tp.autotune` / `tp.plan_file` measure the decompositions, not the cut" if (
                 tp.autotune or tp.plan_file) else ("the cost model has no answer here (no GPU it knows, the model's "
                                                    "dimensions missing, or no cut that runs this configuration)")
             notice(f"`tp.sub_batches` auto: {why}; the blocks run whole (pass a count to cut them)")
-            tp = tp.replace(sub_batches=1)
+            tp = tp.replace(sub_batches=1, sub_batch_blocks="all")
         return tp.replace(mode=resolve_backend(tp)) if tp.mode == "auto" else tp
     best, stock = picked
     n = best.strategy.sub_batches if sub == "auto" else sub
+    cut = best.strategy.cut if sub == "auto" else tp.sub_batch_blocks
+    if n == 1:
+        cut = "all"
     if tp.mode != "auto":
         ratio = stock.step_ms / best.step_ms
-        notice(f"`tp.sub_batches` auto: the cost model picks {n} for {tp.mode} (predicted {ratio:.2f}x over stock"
+        what = f"{n}" + ("" if cut == "all" else f" ({cut} blocks)")
+        notice(f"`tp.sub_batches` auto: the cost model picks {what} for {tp.mode} (predicted {ratio:.2f}x over stock"
                + ("; it expects stock faster here: `tp.mode` auto would run stock)" if ratio < 1 else ")"))
-        return tp.replace(sub_batches=n)
+        return tp.replace(sub_batches=n, sub_batch_blocks=cut)
     given = f" ({', '.join(f'`{g}`' for g in explicit)} kept)" if explicit else ""
     if best.strategy.name == "megatron":
         unused = [f"`{g}`" for g in explicit] + (["`tp.sub_batches`"] if sub not in (1, "auto") else [])
         notice("`tp.mode` auto: the cost model predicts stock Megatron fastest here; running stock"
                + (f" ({', '.join(unused)} unused)" if unused else ""))
-        return tp.replace(mode="off", sub_batches=1, explicit=frozenset())
+        return tp.replace(mode="off", sub_batches=1, sub_batch_blocks="all", explicit=frozenset())
     notice(f"`tp.mode` auto: the cost model picks {best.name} ({best.flags}; predicted "
            f"{stock.step_ms / best.step_ms:.2f}x over stock){given}")
     if best.strategy.name == "symm-mem":
-        return tp.replace(mode="symm-mem", sub_batches=n, explicit=frozenset())
+        return tp.replace(mode="symm-mem", sub_batches=n, sub_batch_blocks=cut, explicit=frozenset())
     if explicit:
-        return tp.replace(mode="p2p", sub_batches=n)
-    return tp.replace(mode="p2p", chunks=best.strategy.chunks * size, rs=best.strategy.rs, sub_batches=n)
+        return tp.replace(mode="p2p", sub_batches=n, sub_batch_blocks=cut)
+    return tp.replace(mode="p2p", chunks=best.strategy.chunks * size, rs=best.strategy.rs, sub_batches=n,
+                      sub_batch_blocks=cut)
 
 
 def patch(inst) -> None:

@@ -25,6 +25,9 @@ it, the linears take the all-reduce path (``tp/linear_ar.py``), and part j's all
 and the projection's in forward, fc1's dgrad in backward) travel while part j + 1 computes,
 waited after the last part (``Join`` / ``Split``).
 
+``--overlap-tp-sub-batch-blocks`` attention (or mlp) cuts only those blocks; the others run
+whole with per-op overlap.
+
 Blocks the cut cannot apply to run whole, with a notice saying why: Transformer Engine
 modules, expert MLPs, TP = 1, context parallelism (its attention), attention dropout (its RNG
 stream would be drawn in another order).
@@ -49,7 +52,9 @@ def patch(inst) -> None:
     inst.set_attr(attention.Attention, "forward", _attention_forward(inst, attention.Attention.__dict__["forward"]))
     dpa = dot_product_attention.DotProductAttention
     inst.set_attr(dpa, "forward", _core_forward(inst, dpa.__dict__["forward"]))
-    inst.notice_once("sub-batches", f"attention and MLP blocks cut into {inst.config.tp.sub_batches} sub-batches "
+    blocks = {"all": "attention and MLP blocks", "attention": "attention blocks (MLP blocks whole)",
+              "mlp": "MLP blocks (attention blocks whole)"}[inst.config.tp.sub_batch_blocks]
+    inst.notice_once("sub-batches", f"{blocks} cut into {inst.config.tp.sub_batches} sub-batches "
                      "(`tp.sub_batches`): one sub-batch's transfers travel while another computes")
 
 
@@ -58,7 +63,8 @@ def _forward(inst, original):
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
-        if not _cut(inst, "this MLP block", _stock_reason(self, args, kwargs), hidden_states, self.linear_fc2):
+        if inst.config.tp.sub_batch_blocks == "attention" or \
+                not _cut(inst, "this MLP block", _stock_reason(self, args, kwargs), hidden_states, self.linear_fc2):
             return original(self, hidden_states, *args, **kwargs)
         sub = SubBatches(self.linear_fc2.tp_group, split_sizes(hidden_states.shape[0], n), row=self.linear_fc2,
                          pool=inst.scratch)
@@ -130,6 +136,8 @@ def _attention_forward(inst, original):
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
+        if inst.config.tp.sub_batch_blocks == "mlp":
+            return original(self, hidden_states, *args, **kwargs)
         why = _attention_stock_reason(inst, self, signature.bind(self, hidden_states, *args, **kwargs).arguments)
         if not _cut(inst, "attention", why, hidden_states, self.linear_proj):
             return original(self, hidden_states, *args, **kwargs)

@@ -34,6 +34,7 @@ class DemoConfig:
     rs: str = "ring"
     bidirectional: bool = False
     sub_batches: object = "auto"  # --overlap-tp-sub-batches of ours: a count, or auto (lab/demo_plan.py picks)
+    sub_batch_blocks: str = ""  # --overlap-tp-sub-batch-blocks: all | attention | mlp; "": all, or the pick's
     seed: int = 1234
     trace_dir: str = ""  # --trace: Chrome traces of the last step (both modes), per rank
     cp: int = 1
@@ -46,16 +47,18 @@ class DemoConfig:
         return TinyGPT(num_layers=self.layers, hidden=self.hidden, ffn=self.ffn, heads=self.heads,
                        kv_heads=self.kv_heads, vocab=self.vocab, seq=self.seq, micro_batch=self.micro_batch)
 
-    def overlap_flags(self, sub_batches=None) -> list[str]:
+    def overlap_flags(self, sub_batches=None, blocks: str = "") -> list[str]:
         """Ours: ``--overlap-tp p2p`` with the demo's decomposition, cut into ``sub_batches`` (the
-        config's count by default; None: stock)."""
+        config's count by default; None: stock), the ``blocks`` cut (default: the config's)."""
         n = self.sub_batches if sub_batches is None else sub_batches
+        blocks = blocks or self.sub_batch_blocks
         if (self.cp > 1 and self.tp == 1) or n == "stock":
             flags = []
         else:
             flags = ["--overlap-tp", "p2p", "--overlap-tp-chunks", str(self.chunks), "--overlap-tp-rs", self.rs]
             flags += ["--overlap-tp-bidirectional"] if self.bidirectional else []
             flags += ["--overlap-tp-sub-batches", str(n)] if n not in (1, "auto") else []
+            flags += ["--overlap-tp-sub-batch-blocks", blocks] if n != 1 and blocks not in ("", "all") else []
         return flags + self.cp_flags(self.overlap_cp)
 
     @property
@@ -88,7 +91,7 @@ class DemoRanks:
         logging.getLogger("megatron_overlap").setLevel(logging.ERROR)
         self.cfg = cfg
         self.spec = cfg.model()
-        self.choice = {"sub_batches": cfg.sub_batches, "why": "as asked"}
+        self.choice = {"sub_batches": cfg.sub_batches, "blocks": cfg.sub_batch_blocks or "all", "why": "as asked"}
         self.overlap_args = megatron_overlap.overlap_parser().parse_args(cfg.overlap_flags(1 if cfg.planned else None))
         self.baseline_args = megatron_overlap.overlap_parser().parse_args(cfg.baseline_flags())
         tiny_gpt.init_parallel(cfg.tp, seed=cfg.seed, cp=cfg.cp)
@@ -109,7 +112,7 @@ class DemoRanks:
             self.choice = demo_plan.pick(cfg, demo_plan.Calibration(
                 bandwidth_GBps=spec.bandwidth_GBps, latency_us=spec.latency_us, **calibration))
             n = self.choice["sub_batches"]
-            flags = cfg.overlap_flags("stock" if n is None else n)
+            flags = cfg.overlap_flags("stock" if n is None else n, self.choice["blocks"])
             self.overlap_args = megatron_overlap.overlap_parser().parse_args(flags)
         self.link = EmulatedLink(spec).install()
 

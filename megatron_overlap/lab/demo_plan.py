@@ -7,7 +7,8 @@ calibration step (stock Megatron on a free link, before anything is timed): the 
 the step's GEMM time and their FLOPs, the element-wise rate so that the modelled stock step
 takes the step's measured compute, the link as calibrated. The decomposition is the demo's
 (``--overlap-tp-chunks``, ``--overlap-tp-rs``: its numerics choice), so the candidates are stock
-and ``p2p`` with it, whole or cut into 2 or 3 sub-batches. Pure Python, no torch.
+and ``p2p`` with it, whole or cut into 2 or 3 sub-batches, every block or only the attention or
+only the MLP blocks (``--overlap-tp-sub-batch-blocks``). Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUB_BATCH_CANDIDATES = (1, 2, 3)
+CUT_CANDIDATES = ("all", "attention", "mlp")  # the blocks a count above 1 cuts
 
 
 @dataclass(frozen=True)
@@ -67,30 +69,36 @@ def fitted_hardware(cfg, cal: Calibration):
 
 
 def pick(cfg, cal: Calibration) -> dict:
-    """``{"sub_batches": N or None (stock), "predicted_ms": {label: ms}, "why": text}``."""
+    """``{"sub_batches": N or None (stock), "blocks": the blocks cut, "predicted_ms": {label: ms},
+    "why": text}``."""
     from ..tune.strategy_ranking import make_plan
     from ..tune.strategies import Strategy
 
     from ..tune.strategy_ranking import UnbuildableError
 
     shape = dict(chunks=cfg.chunks // cfg.tp, rs=cfg.rs)
-    allowed = [Strategy("megatron")] + [Strategy("p2p", sub_batches=n, **shape) for n in SUB_BATCH_CANDIDATES]
+    cuts = (cfg.sub_batch_blocks,) if cfg.sub_batch_blocks else CUT_CANDIDATES
+    allowed = [Strategy("megatron"), Strategy("p2p", **shape)] + [
+        Strategy("p2p", sub_batches=n, cut=cut, **shape) for n in SUB_BATCH_CANDIDATES if n > 1 for cut in cuts]
     try:
         model, run = _model_and_run(cfg)
         hw = fitted_hardware(cfg, cal)
         plan = make_plan(model, run, hw, allowed)
     except (UnbuildableError, ValueError, ZeroDivisionError) as exc:  # no answer: ours runs per-op overlap
-        return {"sub_batches": 1, "predicted_ms": {}, "why": f"the cost model has no answer here ({exc})"}
+        return {"sub_batches": 1, "blocks": "all", "predicted_ms": {},
+                "why": f"the cost model has no answer here ({exc})"}
     predicted = {_label(r.strategy): r.step_ms for r in plan.ranked}
     best = plan.ranked[0].strategy
     chosen = None if best.name == "megatron" else best.sub_batches
     stock = predicted["stock"]
     why = (f"the cost model's pick for this CPU (GEMMs at {hw.peak_tflops * 1e3:.1f} GFLOP/s, measured) and this "
            "link; predicted step: " + ", ".join(f"{k} {v:.0f} ms ({stock / v:.2f}x)" for k, v in predicted.items()))
-    return {"sub_batches": chosen, "predicted_ms": predicted, "why": why}
+    return {"sub_batches": chosen, "blocks": best.cut, "predicted_ms": predicted, "why": why}
 
 
 def _label(strategy) -> str:
     if strategy.name == "megatron":
         return "stock"
-    return "per-op overlap" if strategy.sub_batches == 1 else f"{strategy.sub_batches} sub-batches"
+    if strategy.sub_batches == 1:
+        return "per-op overlap"
+    return f"{strategy.sub_batches} sub-batches" + ("" if strategy.cut == "all" else f" ({strategy.cut} blocks)")

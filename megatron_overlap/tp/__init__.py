@@ -55,6 +55,22 @@ def check_chunks_fit(chunks_per_rank: int, rows: int, source: str, where: str, s
             f"per row; use at most {rows * scale} (or 0 to let the plugin choose)")
 
 
+SUB_BATCH_BLOCKS = ("all", "attention", "mlp")  # the blocks `tp.sub_batches` cuts
+
+
+def check_sub_batch_blocks(blocks: str, sub_batches) -> str:
+    """The rule for ``tp.sub_batch_blocks``: which blocks a cut applies to, so only with a count
+    that cuts (above 1, or ``auto``)."""
+    if blocks not in SUB_BATCH_BLOCKS:
+        raise OverlapConfigError("tp.sub_batch_blocks", f"unknown blocks {blocks!r}; choose one of "
+                                 f"{', '.join(SUB_BATCH_BLOCKS)}")
+    if blocks != "all" and sub_batches == 1:
+        raise OverlapConfigError("tp.sub_batch_blocks", f"{blocks} chooses the blocks `tp.sub_batches` cuts, and "
+                                 "`tp.sub_batches` is 1 (every block whole); pass a count of 2 or more (or auto), "
+                                 "or drop it")
+    return blocks
+
+
 def check_sub_batches(value, mode: str):
     """The rule for ``tp.sub_batches``: a whole number >= 1 (1: blocks run whole) or ``auto``
     (the cost model chooses at install), more than 1 only with a backend whose GEMMs can be cut

@@ -4,6 +4,7 @@ name, Megatron is not imported."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 
@@ -21,7 +22,7 @@ def hardware_for_device(name: Optional[str]) -> Optional[str]:
 
 
 def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p2p: Optional[tuple] = None,
-                     sub_batches=1, backend: Optional[str] = None):
+                     sub_batches=1, backend: Optional[str] = None, blocks: Optional[str] = None):
     """What ``--overlap-tp auto`` (or ``--overlap-tp-sub-batches auto``) runs when nothing was
     measured: the cost model simulates the model in Megatron's ``args`` on this GPU for stock,
     ``p2p`` (every chunk count and reduce-scatter the planner knows) and, where it runs,
@@ -30,7 +31,9 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
     the user fixed the decomposition, so the only candidates are stock and ``p2p`` with it.
     ``sub_batches``: the user's count, kept (candidates whole: the cut is planned at 1), or
     ``auto``: each candidate also cut into 2 and 3. ``backend``: the user fixed ``tp.mode``, so
-    only the sub-batch count is chosen (stock is simulated, never picked). ``fused`` is left out:
+    only the sub-batch count is chosen (stock is simulated, never picked). ``blocks``: the blocks
+    a count above 1 cuts (``tp.sub_batch_blocks`` as the user gave it), or None: each of all,
+    attention and mlp is a candidate. ``fused`` is left out:
     measured slower than stock (``measured.py``)."""
     spec = hardware_for_device(device)
     needed = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_layers", "seq_length")
@@ -38,10 +41,11 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
         return None
     from .hardware import get_hardware
     from .strategy_ranking import candidates as plan_candidates, make_plan
-    from .strategies import Strategy
+    from .strategies import CUT_BLOCKS, Strategy
 
     model, run = _model_and_run(args)
     counts = (1, 2, 3) if sub_batches == "auto" else (1,)
+    cuts = (blocks,) if blocks else CUT_BLOCKS
     if backend is not None or fixed_p2p is not None:  # one backend, its decomposition fixed: only the count varies
         name = backend or "p2p"
         chunks, rs = fixed_p2p or (0, "ring")
@@ -50,6 +54,9 @@ def predicted_choice(args, device: Optional[str], symm_mem_usable: bool, fixed_p
     else:
         allowed = [s for s in plan_candidates(run) if s.sub_batches in counts and not s.allreduce_fusion and (
             s.name == "megatron" or s.name == "p2p" or (s.name == "symm-mem" and symm_mem_usable))]
+    allowed += [dataclasses.replace(s, cut=cut) for s in allowed if s.sub_batches > 1 for cut in cuts if cut != "all"]
+    if "all" not in cuts:
+        allowed = [s for s in allowed if s.sub_batches == 1 or s.cut != "all"]
     from .strategy_ranking import UnbuildableError
 
     try:

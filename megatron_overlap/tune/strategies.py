@@ -52,6 +52,7 @@ from .transfers import (chunked_all_reduce, copies_consume, copies_reduce, fused
                         reduce_then_gather)
 
 STRATEGIES = ("megatron", "p2p", "symm-mem", "fused", "flux")
+CUT_BLOCKS = ("all", "attention", "mlp")  # the blocks sub-batches cut (tp.SUB_BATCH_BLOCKS)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Strategy:
     fused_fill_chunks: int = 4
     fused_slowdown: Optional[float] = None  # None: measured for fused, 0 for flux (the paper's kernels)
     sub_batches: int = 1  # p2p / symm-mem: attention and MLP blocks cut into this many row parts (strategy_sim.py)
+    cut: str = "all"  # with sub_batches > 1: the blocks cut, all | attention | mlp (--overlap-tp-sub-batch-blocks)
     allreduce_fusion: bool = False  # p2p / symm-mem without SP: --overlap-tp-allreduce-fusion
 
     def __post_init__(self):
@@ -72,6 +74,9 @@ class Strategy:
             raise ValueError(f"invalid p2p options: chunks {self.chunks}, rs {self.rs!r}")
         if self.sub_batches < 1 or (self.sub_batches > 1 and self.name not in ("p2p", "symm-mem")):
             raise ValueError(f"sub-batches {self.sub_batches} with {self.name}: p2p and symm-mem only")
+        if self.cut not in CUT_BLOCKS or (self.cut != "all" and self.sub_batches == 1):
+            raise ValueError(f"sub-batch blocks {self.cut!r} with {self.sub_batches} sub-batches: one of {CUT_BLOCKS}, "
+                             "more than 1 sub-batch")
         if self.allreduce_fusion and (self.name not in ("p2p", "symm-mem") or self.sub_batches > 1):
             raise ValueError(f"the all-reduce fusion with {self.name} x{self.sub_batches}: p2p and symm-mem, whole blocks")
 
@@ -84,6 +89,7 @@ class Strategy:
 
     def label(self, sequence_parallel: bool = True) -> str:
         cut = f" x{self.sub_batches} sub-batches" if self.sub_batches > 1 else ""
+        cut += f" ({self.cut} blocks)" if self.cut != "all" else ""
         cut += " + AR fusion" if self.allreduce_fusion else ""
         if self.name != "p2p":
             return self.name + cut
@@ -99,7 +105,7 @@ class Strategy:
             return "(Flux itself: no megatron-overlap flag)"
         if self.name == "p2p":
             flags = OverlapConfig(tp=TPConfig(mode="p2p", chunks=self.chunks * tp, rs=self.rs,
-                                              sub_batches=self.sub_batches,
+                                              sub_batches=self.sub_batches, sub_batch_blocks=self.cut,
                                               allreduce_fusion=self.allreduce_fusion)).as_flags()
             if not sequence_parallel and not self.allreduce_fusion:
                 from ..args import flag_for
@@ -108,7 +114,7 @@ class Strategy:
                 flags = flags[:i] + flags[i + 2:]
             return " ".join(flags)
         mode = "off" if self.name == "megatron" else self.name
-        return " ".join(OverlapConfig(tp=TPConfig(mode=mode, sub_batches=self.sub_batches,
+        return " ".join(OverlapConfig(tp=TPConfig(mode=mode, sub_batches=self.sub_batches, sub_batch_blocks=self.cut,
                                                   allreduce_fusion=self.allreduce_fusion)).as_flags())
 
 

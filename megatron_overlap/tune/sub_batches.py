@@ -29,15 +29,16 @@ from .layer_ops import Attention, Elementwise, Linear
 from .strategies import Ctx, _ring_gather_consume, linear_bwd, linear_fwd, other_bwd, other_fwd
 
 
-def blocks(ops: list, cp: int) -> list:
-    """``ops`` as (kind, ops): "attention" / "mlp" blocks that are cut, "whole" ops that are not."""
+def blocks(ops: list, cp: int, cut: str = "all") -> list:
+    """``ops`` as (kind, ops): "attention" / "mlp" blocks that are cut (those ``cut`` names:
+    all, attention or mlp), "whole" ops that are not."""
     out, i = [], 0
     while i < len(ops):
         a, b, c = ops[i], ops[i + 1] if i + 1 < len(ops) else None, ops[i + 2] if i + 2 < len(ops) else None
-        if isinstance(a, Attention) and cp == 1 and isinstance(b, Linear) and b.kind == "row":
+        if cut != "mlp" and isinstance(a, Attention) and cp == 1 and isinstance(b, Linear) and b.kind == "row":
             out.append(("attention", [a, b]))
             i += 2
-        elif isinstance(a, Linear) and a.kind == "column" and isinstance(b, Elementwise) and \
+        elif cut != "attention" and isinstance(a, Linear) and a.kind == "column" and isinstance(b, Elementwise) and \
                 isinstance(c, Linear) and c.kind == "row":
             out.append(("mlp", [a, b, c]))
             i += 3
@@ -72,7 +73,7 @@ def _finish(g, deferred, outs):
 
 def forward(g: Graph, ctx: Ctx, ops: list, n: int) -> list:
     ready = []
-    for kind, block in blocks(ops, ctx.cp):
+    for kind, block in blocks(ops, ctx.cp, ctx.strategy.cut):
         if kind == "whole":
             op = block[0]
             ready = linear_fwd(g, ctx, op, ready) if isinstance(op, Linear) else other_fwd(g, ctx, op, ready)
@@ -99,7 +100,7 @@ def forward(g: Graph, ctx: Ctx, ops: list, n: int) -> list:
 
 def backward(g: Graph, ctx: Ctx, ops: list, n: int) -> list:
     ready, prefetch = [], {}  # prefetch: column name -> (handle, fraction)
-    laid = blocks(ops, ctx.cp)
+    laid = blocks(ops, ctx.cp, ctx.strategy.cut)
     for index in range(len(laid) - 1, -1, -1):
         kind, block = laid[index]
         if kind == "whole":
@@ -110,8 +111,11 @@ def backward(g: Graph, ctx: Ctx, ops: list, n: int) -> list:
                 handle, fraction = prefetch.pop(op.name, (None, ctx.strategy.prefetch_fraction))
                 whole = dataclasses.replace(ctx, strategy=dataclasses.replace(ctx.strategy, prefetch_fraction=fraction))
                 ready, _ = linear_bwd(g, whole, op, ready, prefetch=handle)
-            else:
-                ready, _ = linear_bwd(g, ctx, op, ready)
+            else:  # a whole Row starts the Column before it's re-gather, as per-op does
+                column = _column_before(laid, index)
+                ready, handle = linear_bwd(g, ctx, op, ready, next_column=column)
+                if column is not None and handle is not None:
+                    prefetch[column.name] = (handle, ctx.strategy.prefetch_fraction)
             continue
         deferred, outs, state = [], [], {"ahead": None}
         part = part_ctx(ctx, n, deferred)
