@@ -32,8 +32,8 @@ def gpt_losses_fused_wgrad(tp: int, steps: int, flags: list[str], overlap_grad_r
                                 gradient_accumulation_fusion=True)
         store = inst.wgrad if inst is not None else None
         if store is None:
-            return {"losses": losses, "ran": 0, "left": 0, "embedding_overlaps": 0}
-        return {"losses": losses, "ran": store.ran, "left": len(store),
+            return {"losses": losses, "ran": 0, "left": 0, "embedding_overlaps": 0, "late": 0}
+        return {"losses": losses, "ran": store.ran, "left": len(store), "late": store.late_inputs,
                 "embedding_overlaps": inst.calls["tp.embedding_grad_overlap"]}
     finally:
         install([])

@@ -38,14 +38,17 @@ def test_held_back_wgrads_train_like_stock(pool4, overlap_grad_reduce):
     """With gradient-accumulation fusion the plugin keeps wgrad GEMMs back to fill the waits on
     its transfers (tp/wgrad_store.py) and holds DDP's grad-ready registration until they ran:
     the losses are stock's bit for bit (TP=2: the same GEMMs on the same tensors, only later),
-    the store was used, and the embedding's grad all-gather (the backward's last transfer)
-    travelled while the held wgrads ran (integration/embedding_grad.py)."""
+    the store was used (the output layer's task taking its input re-gather, posted behind its
+    reduce-scatter, when it runs), and the embedding's grad all-gather (the backward's last
+    transfer) travelled while the held wgrads ran (integration/embedding_grad.py)."""
     stock = pool4.run(gpt_rank_fns.gpt_losses_fused_wgrad, 2, STEPS, [], overlap_grad_reduce)
     ours = pool4.run(gpt_rank_fns.gpt_losses_fused_wgrad, 2, STEPS, ["--overlap-tp", "p2p"], overlap_grad_reduce)
     for rank in range(4):
         assert ours[rank]["losses"] == stock[rank]["losses"], rank
         # 2 layers x (qkv, proj, fc1, fc2) + the output layer: 9 wgrads held back per step
         assert ours[rank]["ran"] == 9 * STEPS and ours[rank]["left"] == 0, ours[rank]
+        # the output layer's input re-gather went behind its reduce-scatter, taken by its held task
+        assert ours[rank]["late"] == STEPS, ours[rank]
         # the embedding's grad all-gather travelled while the held ones ran, once per step
         assert ours[rank]["embedding_overlaps"] == STEPS, ours[rank]
     assert stock[0]["losses"][-1] < stock[0]["losses"][0]

@@ -34,7 +34,7 @@ from ..comm import waits
 from ..comm.collectives import all_gather_into
 from .backends.base import TPBackend
 from .linear_plan import TPPlan
-from .wgrad import as_2d, deferrable, deferred_weight_gradient, weight_gradient
+from .wgrad import as_2d, as_rows, deferrable, deferred_weight_gradient, weight_gradient
 from .wgrad_store import WgradStore
 
 _custom_fwd = torch.amp.custom_fwd(device_type="cuda")
@@ -44,7 +44,11 @@ _custom_bwd = torch.amp.custom_bwd(device_type="cuda")
 class GatherSlot:
     """The all-gather of a Column linear's input shard ``x [s, ...]`` for its wgrad, one async
     collective started early by the Row linear whose backward runs just before (``start``), or,
-    where none did (the output layer), by the Column backward itself.
+    where none did (the output layer), by the Column backward itself: behind its own
+    reduce-scatter's partials when its wgrad waits in the store (the held task takes the gather
+    when it runs), else first. The partials are what the next op waits for; ahead of them on
+    the egress port, the gather made the demo's backward start wait about its transfer time
+    (traced 2026-12-05: 1.29x -> 1.31x over stock, BENCHMARKS.md, the CPU demo).
 
     The Row starts the whole gather once its own grad-output pieces are posted (after its dgrad
     ring, so they never queue behind it): on one egress port the same bytes then sit ahead of the
@@ -68,6 +72,15 @@ class GatherSlot:
         size = dist.get_world_size(self._group)
         buf = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
         self._gather = (buf, all_gather_into(buf, x, self._group, async_op=True))
+
+    @property
+    def started(self) -> bool:
+        return self._gather is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the gathered input once started (what a held task keeps alive)."""
+        return self._gather[0].untyped_storage().nbytes() if self._gather is not None else 0
 
     def take(self) -> torch.Tensor:
         """The gathered input ``[R*s, ...]`` in rank order, exactly as one all-gather gives it."""
@@ -201,16 +214,25 @@ class ColumnParallelSP(torch.autograd.Function):
         wgrad_compute = not wgrad.defers(grad_output)
         slot = ctx.slot
         ctx.slot = None
-        if wgrad_compute:
+        # No Row started our re-gather (the output layer) and the wgrad waits in the store: the
+        # gather goes behind our partials, which the next op needs first, and the held task takes it
+        late = wgrad_compute and comm.sub is None and not slot.started and comm.wgrad is not None and \
+            deferrable(weight, wgrad.accumulation_fusion)
+        if wgrad_compute and not late:
             slot.start()  # no-op when the Row linear after us already started it
 
         # dgrad = RS(dy @ w); its last hop travels while the wgrad GEMM runs
         mark = comm.wgrad.mark() if comm.wgrad is not None else None
         pending = comm.backend.matmul_reduce_scatter(grad_output, weight, comm.group, comm.plan)
+        if late:
+            slot.start()
         if comm.wgrad is not None:
             comm.wgrad.run(older_than=mark)  # while the partials and the input re-gather travel
 
-        if wgrad_compute and comm.sub is not None:  # one GEMM over every part's rows, at the last part
+        if late:
+            grad_weight = deferred_weight_gradient(weight, grad_output, slot.take, input, comm.wgrad, slot.nbytes)
+            grad_bias = as_rows(grad_output).sum(dim=0) if ctx.use_bias else None
+        elif wgrad_compute and comm.sub is not None:  # one GEMM over every part's rows, at the last part
             # the input's re-gather is waited for only at the last part, where the GEMM runs
             grad_weight, grad_bias = collected_wgrad(weight, "column", (grad_output, slot.take), wgrad, input, comm,
                                                      ctx.use_bias)

@@ -21,12 +21,15 @@ import torch
 
 def as_2d(grad_output: torch.Tensor, total_input: torch.Tensor):
     """Contiguous 2-D views ``[tokens, features]`` for the wgrad GEMM (Megatron does the same)."""
-    grad_output = grad_output.contiguous()
-    total_input = total_input.contiguous()
     if grad_output.dim() == 3:
-        grad_output = grad_output.view(-1, grad_output.shape[2])
-        total_input = total_input.view(-1, total_input.shape[2])
-    return grad_output, total_input
+        return as_rows(grad_output), as_rows(total_input)
+    return grad_output.contiguous(), total_input.contiguous()
+
+
+def as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """One tensor of :func:`as_2d`: contiguous, ``[s, b, h]`` viewed as ``[s * b, h]``."""
+    tensor = tensor.contiguous()
+    return tensor.view(-1, tensor.shape[2]) if tensor.dim() == 3 else tensor
 
 
 def _fused_accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor):
@@ -55,13 +58,21 @@ def deferrable(weight: torch.Tensor, gradient_accumulation_fusion: bool) -> bool
             and hasattr(weight, "grad_added_to_main_grad") and not hasattr(weight, "__fsdp_param__"))
 
 
-def deferred_weight_gradient(weight: torch.Tensor, grad_output: torch.Tensor, total_input: torch.Tensor,
-                             like: torch.Tensor, store) -> torch.Tensor:
+def deferred_weight_gradient(weight: torch.Tensor, grad_output: torch.Tensor, total_input,
+                             like: torch.Tensor, store, input_nbytes: int = 0) -> torch.Tensor:
     """Stock's return value now (the dummy, ``grad_added_to_main_grad``); ``main_grad +=
-    grad_output^T @ total_input`` pushed to ``store`` (``tp.wgrad_store``)."""
+    grad_output^T @ total_input`` pushed to ``store`` (``tp.wgrad_store``). ``total_input`` may
+    be a callable that returns it (a re-gather still travelling: the task takes it when it runs;
+    ``input_nbytes`` its size), with ``grad_output`` then as the linear returned it."""
     main_grad = weight.main_grad  # this use's buffer, as restored from ctx by the caller
-    nbytes = total_input.untyped_storage().nbytes() + grad_output.untyped_storage().nbytes()
-    store.push(weight, lambda: _fused_accumulate(total_input, grad_output, main_grad), nbytes)
+    if callable(total_input):
+        take = total_input
+        store.late_inputs += 1
+        nbytes = input_nbytes + grad_output.untyped_storage().nbytes()
+        store.push(weight, lambda: _fused_accumulate(*reversed(as_2d(grad_output, take())), main_grad), nbytes)
+    else:
+        nbytes = total_input.untyped_storage().nbytes() + grad_output.untyped_storage().nbytes()
+        store.push(weight, lambda: _fused_accumulate(total_input, grad_output, main_grad), nbytes)
     return weight_gradient(weight, None, None, True, like)
 
 

@@ -56,6 +56,7 @@ class WgradStore:
         self._held: dict = {}  # micro-batch -> [(param, fn, nbytes)], for its W
         self._held_bytes: dict = {}  # micro-batch -> bytes its held tasks keep alive
         self.ran = 0  # tasks run so far (tests count them)
+        self.late_inputs = 0  # tasks pushed with their input still travelling (the output layer's re-gather)
 
     def __len__(self) -> int:
         return len(self._tasks)
