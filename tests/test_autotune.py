@@ -141,8 +141,8 @@ def test_install_resolves_auto_once_from_the_cost_model(monkeypatch, caplog, sym
 
 
 def test_sub_batches_auto_is_resolved_at_install(monkeypatch, caplog):
-    """``--overlap-tp-sub-batches auto``: on a GPU the cost model knows, the count it predicts
-    fastest for the backend asked (``auto`` too); with no answer (this CPU) the blocks run whole,
+    """``--overlap-tp-sub-batches auto``: on a GPU the cost model knows, the count and blocks it
+    predicts fastest for the backend asked (``auto`` too); with no answer (this CPU) the blocks run whole,
     said in a notice, never cut on a guess."""
     import logging
 
@@ -165,13 +165,15 @@ def test_sub_batches_auto_is_resolved_at_install(monkeypatch, caplog):
             inst = megatron_overlap.install(args)
         assert inst.requested.tp.sub_batches == "auto" and inst.config.tp.mode == best.strategy.name
         assert inst.config.tp.sub_batches == best.strategy.sub_batches, best.name
-        picked[mode] = (best.strategy.name, best.strategy.sub_batches)
+        assert inst.config.tp.sub_batch_blocks == best.strategy.cut, best.name
+        picked[mode] = (best.strategy.name, best.strategy.sub_batches, best.strategy.cut)
         megatron_overlap.uninstall()
-    # the cost model's picks for these two (TP=8, seq 8192 on an H100): p2p whole at micro-batch 1, symm-mem
-    # whole at micro-batch 4 (every backend's backward re-gathers each Column's input early, whole: cut in 2
-    # symm-mem is 0.6% slower there)
-    assert picked == {"p2p": ("p2p", 1), "auto": ("symm-mem", 1)}, picked
-    assert any("--overlap-tp-sub-batches auto: the cost model picks 1 for p2p" in r.getMessage() for r in caplog.records)
+    # the cost model's picks for these two (TP=8, seq 8192 on an H100): 2 sub-batches of the attention blocks
+    # only, p2p at micro-batch 1 and symm-mem at micro-batch 4, 0.1% and 0.2% ahead of their whole blocks (every
+    # backend's backward re-gathers each Column's input early, whole: every block cut in 2 is slower there)
+    assert picked == {"p2p": ("p2p", 2, "attention"), "auto": ("symm-mem", 2, "attention")}, picked
+    assert any("--overlap-tp-sub-batches auto: the cost model picks 2 (attention blocks) for p2p" in r.getMessage()
+               for r in caplog.records)
     monkeypatch.setattr(linears, "_cuda_device_name", lambda: None)
     monkeypatch.setattr(symm_mem, "availability", lambda *a, **k: (False, "no CUDA here"))
     caplog.clear()
