@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite (CPU, gloo; 672 tests, 28 minutes on 2 cores, 2026-12-05 11:42 UTC, the configuration matrix included). Arguments go to pytest; -m "not matrix" is the quick subset (638 tests, 12 minutes, 12:07 UTC).
+# The whole test suite (CPU, gloo; 678 tests, 31 minutes on 2 cores, 2026-12-05 23:44 UTC, the configuration matrix included). Arguments go to pytest; -m "not matrix" is the quick subset (644 tests, 13 minutes, 2026-12-06 00:02 UTC).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

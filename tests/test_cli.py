@@ -206,7 +206,9 @@ def test_demo_end_to_end(tmp_path):
     # ours is the cost model's pick for this CPU and link, said with the flags it ran
     choice = json.loads((tmp_path / "result.json").read_text())["choice"]
     assert choice["why"].startswith("the cost model's pick for this CPU") and "stock" in choice["predicted_ms"]
-    assert f"ours ran: {choice['mode']} ({choice['flags']}): the cost model's pick" in out.stdout
+    # at this toy size the pick may be stock itself (calibration decides): then no plugin flag ran
+    flags = choice["flags"] or "no plugin flags"
+    assert f"ours ran: {choice['mode']} ({flags}): the cost model's pick" in out.stdout
 
 
 def test_bench_mlp_smoke():
